@@ -1,0 +1,38 @@
+"""layerpar data: real data sets offline and from users' files, HDF5 cache,
+rank-sharded deterministic reading.
+
+Public API::
+
+    from data import load_dataset, Split, GlobalBatchSampler, available_datasets
+    train, test = load_dataset("mnist5k", root=None, seed=0, test_fraction=0.2,
+                               normalize=True, flatten=False)
+    sampler = GlobalBatchSampler(len(train), 256, seed=0, rank=r, num_replicas=R)
+    sampler.set_epoch(epoch)
+    for idx in sampler:
+        xb, yb = train.get_batch(idx)
+
+Modules: :mod:`data.datasets` (registry, bundled sets), :mod:`data.split`
+(``Split``, normalization, stratified split), :mod:`data.idx` (MNIST IDX),
+:mod:`data.cifar` (CIFAR-10 pickles), :mod:`data.peaks` (Peaks problem),
+:mod:`data.h5cache` (HDF5 cache writing), :mod:`data.h5reader` (lazy
+reading), :mod:`data.sharding` (global-batch
+sampler), ``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
+No torch or mpi4py is imported.
+"""
+
+from .cifar import load_cifar10, read_cifar_batch
+from .datasets import available_datasets, dataset_info, load_dataset, load_raw
+from .errors import DataFormatError
+from .h5cache import FORMAT_VERSION, prepare, write_split_h5
+from .h5reader import H5Split, open_h5_pair, open_h5_split
+from .idx import load_mnist, read_idx, write_idx
+from .peaks import make_peaks
+from .sharding import GlobalBatchSampler, global_permutation
+from .split import Split
+
+__all__ = [
+    "load_dataset", "load_raw", "available_datasets", "dataset_info", "Split",
+    "GlobalBatchSampler", "global_permutation", "DataFormatError",
+    "FORMAT_VERSION", "H5Split", "open_h5_split", "open_h5_pair", "prepare", "write_split_h5",
+    "read_idx", "write_idx", "load_mnist", "load_cifar10", "read_cifar_batch", "make_peaks",
+]

@@ -1,0 +1,231 @@
+"""Rank-local MGRIT operations on one level: F-/C-relaxation, FAS restriction, correction and
+the pipelined coarsest-level solve, with the neighbour messages they need.
+
+Conventions (see :mod:`mgrit.grid`): a rank owns level points ``[lo, hi)``; the step leaving
+point ``j`` is evaluated by the owner of ``j`` and, when ``j + 1`` belongs to another rank, its
+*result* ``Phi(u_j)`` is sent there. Every operation therefore sends at most one state to
+``level.next`` and receives at most one from ``level.prev``; sends are non-blocking and
+issued before the rank waits for its own receive, so no cyclic wait can arise.
+
+Concurrent relaxation: the F-intervals of a level owned by a rank are independent, so the
+``k``-th step of all of them is one call of ``Propagator.step_batch`` on a strided view of the
+state array (Kirby et al. 2020 ran them on separate CUDA streams; a batched kernel does the
+same on any device). The F-points before the first owned C-point depend on the left neighbour
+and are stepped afterwards, while that message is in flight.
+
+The level equations are FAS equations ``u_j = Phi(u_{j-1}) + g_j`` (``g = 0`` on the finest
+level, where ``g`` is ``None``); point 0 holds the initial value and is never updated.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Exchanger
+from .grid import Level
+from .propagator import Propagator
+from .stats import SolverStats
+
+__all__ = ["LevelState", "LevelOps"]
+
+_TAG_F, _TAG_IN, _TAG_COARSE = 1, 2, 3
+
+
+def _tag(op: int, level: int) -> int:
+    return op * 1000 + level
+
+
+def _sl(r: range, lo: int) -> slice:
+    """Local slice of the level points in ``r`` (a non-empty range) for a rank starting at lo."""
+    return slice(r.start - lo, r[-1] - lo + 1, r.step)
+
+
+class LevelState:
+    """States ``u`` (and FAS right-hand side ``g`` on coarse levels) of one rank on one level.
+
+    ``u`` has shape ``(hi - lo, *state_shape)``; ``cache`` keeps the last computed incoming
+    steps ``Phi(u_{t-1})`` (reused by C-relaxation after a residual evaluation) and is cleared
+    by every operation that changes ``u``.
+    """
+
+    def __init__(self, level: Level, shape, dtype, device, with_rhs: bool):
+        self.lv = level
+        self.u = torch.zeros((level.n_local, *shape), dtype=dtype, device=device)
+        self.g = torch.zeros_like(self.u) if with_rhs else None
+        self.v = torch.zeros_like(self.u) if with_rhs else None  # restricted fine values
+        self.cache: tuple | None = None
+
+
+class LevelOps:
+    """The operations of one solve; stateless apart from the counters.
+
+    Args:
+        prop: the user's propagator.
+        ex: message exchanger on the solver's communicator.
+        stats: counters to update.
+        batched: use ``prop.step_batch`` for several intervals at once.
+        c_weight: weight of C-relaxation.
+    """
+
+    def __init__(self, prop: Propagator, ex: Exchanger, stats: SolverStats, batched: bool,
+                 c_weight: float):
+        self.prop, self.ex, self.stats = prop, ex, stats
+        self.batched = batched and prop.batched
+        self.c_weight = c_weight
+
+    # -- steps ---------------------------------------------------------------------------
+    def phi_one(self, st: LevelState, j: int) -> torch.Tensor:
+        s = st.lv.stride
+        self.stats.steps_single += 1
+        return self.prop.step(st.u[j - st.lv.lo], j * s, (j + 1) * s, st.lv.index)
+
+    def phi(self, st: LevelState, sources: range) -> torch.Tensor:
+        """``Phi(u_j)`` for the owned level points ``j`` in ``sources``: shape ``(len, *shape)``."""
+        lv = st.lv
+        if len(sources) == 1 or not self.batched:
+            return torch.stack([self.phi_one(st, j) for j in sources])
+        s = lv.stride
+        self.stats.steps_batched_calls += 1
+        self.stats.steps_batched_items += len(sources)
+        return self.prop.step_batch(st.u[_sl(sources, lv.lo)], [j * s for j in sources],
+                                    [(j + 1) * s for j in sources], lv.index)
+
+    def _set(self, st: LevelState, targets: range, values: torch.Tensor) -> None:
+        sl = _sl(targets, st.lv.lo)
+        if st.g is not None:
+            values = values + st.g[sl]
+        st.u[sl] = values
+
+    # -- relaxation ----------------------------------------------------------------------
+    def f_relax(self, st: LevelState) -> None:
+        """F-relaxation: ``u_j = Phi(u_{j-1}) + g_j`` for every owned F-point, interval by
+        interval from its C-point (all intervals at once)."""
+        lv = st.lv
+        lo, hi, m = lv.lo, lv.hi, lv.cfactor
+        if lo == hi:
+            return
+        st.cache = None
+        tag = _tag(_TAG_F, lv.index)
+        send = lv.next is not None and hi % m != 0
+        recv = lo % m != 0
+        req = self.ex.irecv(lv.prev, tag) if recv else None
+        first_c = -(-lo // m) * m
+        stop = hi + 1 if send else hi  # targets beyond hi - 1 go to the next rank
+        if first_c < hi:
+            for k in range(1, m):
+                if first_c + k >= stop:
+                    break
+                targets = range(first_c + k, stop, m)
+                out = self.phi(st, range(first_c + k - 1, stop - 1, m))
+                if targets[-1] == hi:
+                    self.ex.isend(out[-1], lv.next, tag)
+                    targets, out = targets[:-1], out[:-1]
+                if len(targets):
+                    self._set(st, targets, out)
+        if recv:
+            end = min(first_c, hi)
+            incoming = req.wait()
+            for j in range(lo, end):
+                st.u[j - lo] = incoming if st.g is None else incoming + st.g[j - lo]
+                if j + 1 < end:
+                    incoming = self.phi_one(st, j)
+            if end == hi and send:
+                self.ex.isend(self.phi_one(st, hi - 1), lv.next, tag)
+
+    def incoming(self, st: LevelState, mod: int) -> tuple[range, torch.Tensor | None]:
+        """``Phi(u_{t-1})`` for every owned point ``t > 0`` with ``t % mod == 0`` (C-points for
+        ``mod = m``, all points for ``mod = 1``), exchanging the boundary step with the
+        neighbours. Returns ``(targets, values)``; cached until ``u`` changes."""
+        lv = st.lv
+        lo, hi = lv.lo, lv.hi
+        if lo == hi:
+            return range(0), None
+        if st.cache is not None and st.cache[0] == mod:
+            return st.cache[1], st.cache[2]
+        tag = _tag(_TAG_IN, lv.index)
+        first_t = max(-(-lo // mod) * mod, mod)
+        targets = range(first_t, hi, mod)
+        send = lv.next is not None and hi % mod == 0
+        recv = first_t == lo
+        req = self.ex.irecv(lv.prev, tag) if recv else None
+        local = range(first_t + mod if recv else first_t, hi + 1 if send else hi, mod)
+        parts = []
+        if len(local):
+            out = self.phi(st, range(local.start - 1, local.stop - 1, mod))
+            if send:
+                self.ex.isend(out[-1], lv.next, tag)
+                out = out[:-1]
+            parts.append(out)
+        if recv:
+            parts.insert(0, req.wait().unsqueeze(0))
+        values = torch.cat(parts) if len(targets) else None
+        st.cache = (mod, targets, values)
+        return targets, values
+
+    def c_relax(self, st: LevelState) -> None:
+        """(Weighted) C-relaxation: ``u_c <- w (Phi(u_{c-1}) + g_c) + (1 - w) u_c``."""
+        targets, phi = self.incoming(st, st.lv.cfactor)
+        if st.lv.n_local == 0:
+            return
+        st.cache = None
+        if not len(targets):
+            return
+        sl = _sl(targets, st.lv.lo)
+        new = phi if st.g is None else phi + st.g[sl]
+        w = self.c_weight
+        st.u[sl] = new if w == 1.0 else w * new + (1.0 - w) * st.u[sl]
+
+    # -- coarse grid ---------------------------------------------------------------------
+    def restrict(self, st: LevelState, coarse: LevelState) -> None:
+        """FAS restriction by injection: ``v_k = u_{km}``,
+        ``g^c_k = (g_{km} - u_{km} + Phi(u_{km-1})) + v_k - Phi^c(v_{k-1})``, i.e. the
+        restricted residual plus ``A_c(v)_k`` (same operation order as PyMGRIT, so that
+        residual histories agree to round-off)."""
+        targets, phi = self.incoming(st, st.lv.cfactor)
+        if coarse.lv.n_local == 0:
+            return
+        c_pts = st.lv.c_points()
+        coarse.v.copy_(st.u[_sl(c_pts, st.lv.lo)])
+        coarse.u.copy_(coarse.v)
+        coarse.cache = None
+        ktargets, cphi = self.incoming(coarse, 1)
+        if not len(ktargets):
+            return
+        sl, ksl = _sl(targets, st.lv.lo), _sl(ktargets, coarse.lv.lo)
+        r = phi - st.u[sl] if st.g is None else st.g[sl] - st.u[sl] + phi
+        coarse.g[ksl] = r + coarse.v[ksl] - cphi
+
+    def correct(self, st: LevelState, coarse: LevelState) -> None:
+        """Coarse-grid correction at C-points: ``u_{km} <- u_{km} + (u^c_k - v_k)``."""
+        if st.lv.n_local == 0:
+            return
+        st.cache = None
+        if coarse.lv.n_local == 0:
+            return
+        sl = _sl(st.lv.c_points(), st.lv.lo)
+        st.u[sl] = st.u[sl] + (coarse.u - coarse.v)
+
+    def inject(self, st: LevelState, coarse: LevelState) -> None:
+        """Interpolation by injection (nested iteration): ``u_{km} <- u^c_k``."""
+        if st.lv.n_local == 0:
+            return
+        st.cache = None
+        if coarse.lv.n_local:
+            st.u[_sl(st.lv.c_points(), st.lv.lo)] = coarse.u
+
+    def coarse_solve(self, st: LevelState) -> None:
+        """Sequential sweep ``u_j = Phi(u_{j-1}) + g_j`` over the level, pipelined across
+        ranks (each rank waits for its left neighbour's last step)."""
+        lv = st.lv
+        lo, hi = lv.lo, lv.hi
+        if lo == hi:
+            return
+        st.cache = None
+        tag = _tag(_TAG_COARSE, lv.index)
+        incoming = self.ex.recv(lv.prev, tag) if lo > 0 else None
+        for j in range(lo, hi):
+            if j > 0:
+                st.u[j - lo] = incoming if st.g is None else incoming + st.g[j - lo]
+            if j + 1 < hi or lv.next is not None:
+                incoming = self.phi_one(st, j)
+        if lv.next is not None:
+            self.ex.isend(incoming, lv.next, tag)

@@ -1,0 +1,283 @@
+"""HDF5 cache: prepare via the CLI, exact read-back, lazy reads, bad files, interrupted writes."""
+
+import pickle
+import re
+
+import h5py
+import numpy as np
+import pytest
+
+import data.h5cache as h5cache
+from data import (DataFormatError, FORMAT_VERSION, GlobalBatchSampler, load_dataset,
+                  open_h5_split, prepare)
+from data.__main__ import main
+
+from .formats import make_mnist_arrays, write_mnist
+
+
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache")
+    assert main(["prepare", "digits", "--out", str(out), "--seed", "3"]) == 0
+    return out
+
+
+def _copy(src, dst):
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
+def test_prepare_writes_files_with_attributes(digits_cache, capsys):
+    files = sorted(p.name for p in digits_cache.iterdir())
+    assert files == ["digits-test.h5", "digits-train.h5"]
+    raw_train, raw_test = load_dataset("digits", seed=3, normalize=False)
+    for path, ref in ((digits_cache / "digits-train.h5", raw_train), (digits_cache / "digits-test.h5", raw_test)):
+        with h5py.File(path, "r") as f:
+            assert f["x"].dtype == np.uint8 and f["y"].dtype == np.dtype("<i8")
+            assert np.array_equal(f["x"][()], ref.x) and np.array_equal(f["y"][()], ref.y)
+            a = f.attrs
+            assert int(a["format_version"]) == FORMAT_VERSION == 1
+            assert a["name"] == "digits" and "load_digits" in a["source"]
+            assert a["checksum"] == h5cache.checksum(ref.x, ref.y)
+            assert int(a["num_classes"]) == 10
+            import json
+            assert json.loads(a["class_names"]) == [str(i) for i in range(10)]
+            norm = json.loads(a["normalization"])
+            assert norm["mean"] == pytest.approx(raw_train.normalization["mean"])
+
+
+def test_h5_read_back_exactly_and_normalized(digits_cache):
+    raw_train, raw_test = load_dataset("digits", seed=3, normalize=False)
+    tr, te = load_dataset("hdf5", root=digits_cache, normalize=False)
+    assert np.array_equal(tr.x[:], raw_train.x) and np.array_equal(tr.y, raw_train.y)
+    assert np.array_equal(te.x[:], raw_test.x) and np.array_equal(te.y, raw_test.y)
+    assert tr.x.dtype == np.uint8 and tr.input_shape == (1, 8, 8) and len(tr) == 1437
+    assert tr.class_names == raw_train.class_names and tr.num_classes == 10
+    ntr, _ = load_dataset("digits", seed=3, flatten=True)
+    htr, _ = load_dataset("hdf5", root=digits_cache / "digits-test.h5", flatten=True)
+    assert htr.x.shape == (1437, 64) and htr.x.dtype == np.float32
+    assert np.array_equal(htr.x[:], ntr.x)
+    assert htr.normalization == ntr.normalization
+    assert np.array_equal(htr.load().x, ntr.x)
+
+
+@pytest.mark.parametrize("reader", ["auto", "h5py", "memmap"])
+def test_lazy_reads_any_index_order(digits_cache, reader):
+    s = open_h5_split(digits_cache / "digits-train.h5", normalize=False, verify=True, reader=reader)
+    full = s.x[:]
+    with h5py.File(digits_cache / "digits-train.h5", "r") as f:
+        assert np.array_equal(full, f["x"][()])
+    rng = np.random.default_rng(0)
+    for idx in (rng.permutation(len(s))[:37], np.array([5, 5, 0, -1, 3]), np.arange(100, 160)[::-1],
+                np.array([], dtype=np.int64), np.array([1436, 0])):
+        assert np.array_equal(s.x[idx], full[idx])
+    mask = rng.random(len(s)) < 0.3
+    assert np.array_equal(s.x[mask], full[mask])
+    assert np.array_equal(s.x[7], full[7]) and np.array_equal(s.x[-2], full[-2])
+    assert np.array_equal(s.x[10:3:-2], full[10:3:-2]) and np.array_equal(s.x[3:50:4], full[3:50:4])
+    xb, yb = s.get_batch([9, 2])
+    assert np.array_equal(xb, full[[9, 2]]) and np.array_equal(yb, s.y[[9, 2]])
+    with pytest.raises(IndexError, match=r"index 1437 is out of range for 1437 rows"):
+        s.x[np.array([0, 1437])]
+    out = s.x[np.array([3, 3])]
+    out[0] = 0  # results are copies, never read-only views of the file
+    assert np.array_equal(s.x[3], full[3])
+    s.close()
+    s2 = pickle.loads(pickle.dumps(s))  # picklable (handles reopened lazily in the new process)
+    assert np.array_equal(s2.x[[4, 1]], full[[4, 1]])
+
+
+def test_h5py_reader_reads_only_requested_rows(digits_cache):
+    s = open_h5_split(digits_cache / "digits-train.h5", normalize=False, reader="h5py")
+    reads = []
+    ds = s._dataset()
+    orig = type(ds).__getitem__
+    try:
+        type(ds).__getitem__ = lambda self, k: (reads.append(k), orig(self, k))[1]
+        s.x[np.array([1000, 3])]
+    finally:
+        type(ds).__getitem__ = orig
+    assert len(reads) == 1 and np.array_equal(np.asarray(reads[0]), [3, 1000])
+    s.close()
+
+
+def test_chunked_compressed_cache_falls_back_to_h5py(digits_cache, tmp_path):
+    def rechunk(f):
+        x = f["x"][()]
+        del f["x"]
+        f.create_dataset("x", data=x, chunks=(16, 1, 8, 8), compression="gzip")
+    p = _mutate(digits_cache, tmp_path, rechunk)
+    ref = open_h5_split(digits_cache / "digits-train.h5", normalize=False)
+    s = open_h5_split(p, normalize=False, verify=True)
+    idx = np.random.default_rng(1).permutation(len(s))[:50]
+    assert np.array_equal(s.x[idx], ref.x[idx]) and s._memmap() is None
+    with pytest.raises(ValueError, match=r"reader='memmap' needs a contiguous, uncompressed"):
+        open_h5_split(p, reader="memmap").x[0]
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+def test_rank_shards_over_epoch_read_from_h5(digits_cache, R):
+    s = open_h5_split(digits_cache / "digits-test.h5", normalize=False)
+    full = s.x[:]
+    collected = []
+    samplers = [GlobalBatchSampler(len(s), 32, seed=7, rank=r, num_replicas=R) for r in range(R)]
+    for sm in samplers:
+        sm.set_epoch(2)
+    for shards in zip(*samplers):
+        for idx in shards:
+            xb, yb = s.get_batch(idx)
+            assert np.array_equal(xb, full[idx]) and np.array_equal(yb, s.y[idx])
+            collected.append(idx)
+    assert np.array_equal(np.concatenate(collected), samplers[0].permutation(2))
+
+
+def test_prepare_mnist_from_idx_and_peaks(tmp_path):
+    arrays = make_mnist_arrays(seed=11)
+    write_mnist(tmp_path / "src" / "MNIST" / "raw", arrays, gz=True)
+    out = tmp_path / "out"
+    assert main(["prepare", "mnist", "--root", str(tmp_path / "src"), "--out", str(out)]) == 0
+    tr, te = load_dataset("hdf5", root=out / "mnist-train.h5", normalize=False)
+    assert np.array_equal(tr.x[:][:, 0], arrays["train_images"]) and np.array_equal(tr.y, arrays["train_labels"])
+    assert np.array_equal(te.x[:][:, 0], arrays["test_images"]) and np.array_equal(te.y, arrays["test_labels"])
+    paths = prepare("peaks", out, seed=2)
+    ptr = open_h5_split(paths[0], normalize=False, verify=True)
+    ref, _ = load_dataset("peaks", seed=2, normalize=False)
+    assert ptr.x.dtype == np.float32 and np.array_equal(ptr.x[:], ref.x) and np.array_equal(ptr.y, ref.y)
+    with pytest.raises(ValueError, match=r"holds 2 '\*-train.h5' files"):
+        load_dataset("hdf5", root=out)
+
+
+def _mutate(src_dir, tmp_path, fn):
+    p = _copy(src_dir / "digits-train.h5", tmp_path / "digits-train.h5")
+    with h5py.File(p, "a") as f:
+        fn(f)
+    return p
+
+
+def test_wrong_format_version(digits_cache, tmp_path):
+    p = _mutate(digits_cache, tmp_path, lambda f: f.attrs.__setitem__("format_version", 2))
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + r": HDF5 cache has format_version=2, expected 1"):
+        open_h5_split(p)
+
+
+@pytest.mark.parametrize("attr", ["checksum", "normalization", "format_version"])
+def test_missing_attribute(digits_cache, tmp_path, attr):
+    p = _mutate(digits_cache, tmp_path, lambda f: f.attrs.__delitem__(attr))
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + rf": missing required HDF5 attribute.*'{attr}'"):
+        open_h5_split(p)
+
+
+def test_missing_dataset(digits_cache, tmp_path):
+    p = _mutate(digits_cache, tmp_path, lambda f: f.__delitem__("y"))
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + r": missing required HDF5 dataset 'y'"):
+        open_h5_split(p)
+
+
+def test_h5_labels_out_of_range(digits_cache, tmp_path):
+    def bad(f):
+        f["y"][17] = 10
+    p = _mutate(digits_cache, tmp_path, bad)
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + r": label 10 at index 17 is out of range; allowed labels are 0..9"):
+        open_h5_split(p)
+
+
+def test_checksum_mismatch(digits_cache, tmp_path):
+    def bad(f):
+        f["x"][3, 0, 0, 0] = 99
+    p = _mutate(digits_cache, tmp_path, bad)
+    s = open_h5_split(p)  # structure is valid ...
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + r": checksum mismatch"):
+        s.verify_checksum()
+    assert main(["verify", str(p)]) == 2
+
+
+def test_missing_and_non_hdf5_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope-train.h5.*python -m data prepare"):
+        open_h5_split(tmp_path / "nope-train.h5")
+    p = tmp_path / "x-train.h5"
+    p.write_bytes(b"not hdf5 at all")
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + ": not a readable HDF5 file"):
+        open_h5_split(p)
+
+
+def _listing(d):
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_write = h5cache._write_file
+    calls = []
+
+    def fail_on_second(path, split, extra):
+        calls.append(path)
+        if len(calls) == 2:  # train file fully written, test file half-written
+            import h5py as _h5
+            with _h5.File(path, "w") as f:
+                f.create_dataset("x", data=split.x[:10])
+            raise KeyboardInterrupt("simulated interrupt")
+        real_write(path, split, extra)
+
+    monkeypatch.setattr(h5cache, "_write_file", fail_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(["prepare", "peaks", "--out", str(out)])
+    assert len(calls) == 2 and all(p.parent == out for p in calls)
+    assert _listing(out) == []
+
+
+def test_interrupted_mid_dataset_write(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    orig = h5py.Group.create_dataset
+
+    def boom(self, name, *a, **k):
+        if name == "y":
+            raise OSError("disk full (simulated)")
+        return orig(self, name, *a, **k)
+
+    monkeypatch.setattr(h5py.Group, "create_dataset", boom)
+    with pytest.raises(OSError, match="disk full"):
+        prepare("digits", out)
+    assert _listing(out) == []
+
+
+def test_existing_cache_survives_failed_prepare(digits_cache, tmp_path, monkeypatch):
+    out = tmp_path / "c"
+    out.mkdir()
+    _copy(digits_cache / "digits-train.h5", out / "digits-train.h5")
+    _copy(digits_cache / "digits-test.h5", out / "digits-test.h5")
+    before = (out / "digits-train.h5").read_bytes()
+    monkeypatch.setattr(h5cache, "checksum", lambda x, y: (_ for _ in ()).throw(RuntimeError("fail")))
+    with pytest.raises(RuntimeError):
+        prepare("digits", out, seed=9)
+    assert _listing(out) == ["digits-test.h5", "digits-train.h5"]
+    assert (out / "digits-train.h5").read_bytes() == before
+
+
+def test_cli(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "prepare" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    assert "--root" in capsys.readouterr().out
+    assert main(["list"]) == 0
+    listing = capsys.readouterr().out
+    assert "mnist5k" in listing and "peaks" in listing and "hdf5" in listing
+    assert main(["prepare", "mnist", "--root", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: mnist: file 'train-images-idx3-ubyte'") and "download=True" in err
+    assert main(["prepare", "nosuch", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown data set 'nosuch'" in capsys.readouterr().err
+    assert _listing(tmp_path / "o") == []
+
+
+def test_cli_subprocess_does_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, runpy; sys.argv=['data','list']; "
+            "runpy.run_module('data', run_name='__main__'); "
+            "assert 'torch' not in sys.modules and 'mpi4py' not in sys.modules, 'heavy import'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "digits" in r.stdout

@@ -1,0 +1,142 @@
+"""Solver checks run on k ranks by tests/test_solver_mpi.py (each rank asserts on its own part)."""
+import torch
+from mpi4py import MPI
+
+from mgrit.comm import Exchanger
+from mgrit.options import MGRITOptions
+from mgrit.solver import MGRIT
+from mgrit.stats import SolverStats
+from tests.chains import BatchedTanhChain, TanhChain, sequential
+
+COMM = MPI.COMM_WORLD
+
+
+def _u0(batch=2, width=3, seed=1):
+    return torch.randn(batch, width, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _solver(prop, n, opts, shape=(2, 3)):
+    return MGRIT(prop, n, shape, options=opts, comm=COMM)
+
+
+def check_one_level_bitwise(n, batched):
+    prop = (BatchedTanhChain if batched else TanhChain)(n, width=3, T=2.0)
+    u0 = _u0()
+    res = _solver(prop, n, MGRITOptions(max_levels=1)).solve(u0)
+    ref = sequential(prop, u0, n)
+    assert torch.equal(res.states, ref[res.lo:res.hi]), \
+        f"rank {COMM.rank}: one-level states differ from sequential stepping"
+    assert res.residuals == [0.0] and res.iterations == 1
+    assert res.stats.step_applications == res.hi - res.lo - (1 if res.hi == n + 1 else 0), \
+        f"rank {COMM.rank}: {res.stats.step_applications} steps for points [{res.lo},{res.hi})"
+
+
+def check_fixed_point(n, levels, cfactor, relax, cycle):
+    prop = BatchedTanhChain(n, width=3, T=2.0)
+    u0 = _u0()
+    ref = sequential(prop, u0, n)
+    solver = _solver(prop, n, MGRITOptions(max_levels=levels, cfactor=cfactor, relax=relax,
+                                           cycle=cycle, tol=0.0, max_iter=2))
+    res = solver.solve(u0, initial_guess=ref[solver.hierarchy.levels[0].lo:solver.hierarchy.levels[0].hi].clone())
+    assert max(res.residuals) < 1e-14, f"residuals {res.residuals} from the exact solution"
+    err = (res.states - ref[res.lo:res.hi]).abs().max().item()
+    assert err < 1e-14, f"rank {COMM.rank}: fixed point moved by {err}"
+
+
+def check_exactness(n, m, relax, iters):
+    """Two-level F-relaxation: k cycles make the first k coarse intervals exact; FCF: 2k."""
+    prop = BatchedTanhChain(n, width=3, T=4.0)
+    u0 = _u0()
+    ref = sequential(prop, u0, n)
+    res = _solver(prop, n, MGRITOptions(max_levels=2, cfactor=m, relax=relax, tol=0.0,
+                                        max_iter=iters)).solve(u0)
+    exact_upto = (2 * iters if relax == "FCF" else iters) * m  # last exact C-point (fine index)
+    for i in range(res.lo, res.hi):
+        e = ((res.states[i - res.lo] - ref[i]).norm() / ref[i].norm()).item()
+        if i < exact_upto + m:  # the exact C-point's F-interval is exact too
+            assert e < 1e-13, f"point {i} should be exact after {iters} {relax} cycles: rel err {e}"
+        elif i == exact_upto + m:
+            assert e > 1e-8, f"point {i} is unexpectedly exact (err {e}): the test would not discriminate"
+
+
+def check_converges_to_sequential(n, levels, cfactor, relax, cycle, nested, skip, c_weight):
+    u0 = _u0()
+    out = []
+    for batched in (True, False):
+        prop = BatchedTanhChain(n, width=3, T=2.0)
+        opts = MGRITOptions(max_levels=levels, cfactor=cfactor, relax=relax, cycle=cycle,
+                            nested_iteration=nested, skip_first_relaxation=skip,
+                            c_weight=c_weight, tol=1e-13, max_iter=60, batched=batched)
+        res = _solver(prop, n, opts).solve(u0)
+        assert res.converged, f"not converged: {res.residuals}"
+        ref = sequential(prop, u0, n)[res.lo:res.hi]
+        err = ((res.states - ref).norm() / ref.norm()).item()
+        assert err < 1e-11, f"rank {COMM.rank}: rel err {err} vs sequential"
+        out.append(res)
+    a, b = out
+    assert len(a.residuals) == len(b.residuals), (a.residuals, b.residuals)
+    for x, y in zip(a.residuals, b.residuals):
+        assert abs(x - y) <= 1e-9 * abs(y) + 1e-15, f"batched {a.residuals} vs single {b.residuals}"
+    assert a.stats.steps_batched_calls > 0 or COMM.size > 1
+    assert b.stats.steps_batched_calls == 0
+    return len(a.residuals)
+
+
+def check_exchange_exact(dtype):
+    """Round trip of values that float32 cannot represent, between every pair of neighbours."""
+    dt = getattr(torch, dtype)
+    x = (1.0 + torch.arange(12, dtype=torch.float64).reshape(3, 4) * 2.0 ** -40
+         + COMM.rank).to(dt)
+    ex = Exchanger(COMM, (3, 4), dt, "cpu", SolverStats())
+    right, left = (COMM.rank + 1) % COMM.size, (COMM.rank - 1) % COMM.size
+    req = ex.irecv(left, 7)
+    ex.isend(x, right, 7)
+    got = req.wait()
+    ex.waitall()
+    want = (1.0 + torch.arange(12, dtype=torch.float64).reshape(3, 4) * 2.0 ** -40 + left).to(dt)
+    assert got.dtype == dt and got.shape == (3, 4)
+    assert torch.equal(got, want), f"rank {COMM.rank}: received {got} != {want}"
+    if dt == torch.float64:
+        assert not torch.equal(got.float().double(), got), "test values must not fit in float32"
+
+
+def check_float64_across_ranks():
+    """A converged multi-rank solve of a float64 chain whose states are not float32-exact."""
+    n = 4 * COMM.size + 1
+    prop = BatchedTanhChain(n, width=3, T=1e-6)  # tiny steps: differences below float32 ulp
+    u0 = _u0() + 1.0
+    res = _solver(prop, n, MGRITOptions(max_levels=1)).solve(u0)
+    ref = sequential(prop, u0, n)
+    assert torch.equal(res.states, ref[res.lo:res.hi])
+    assert not torch.equal(ref.float().double(), ref)
+
+
+def check_bad_input(case):
+    """Each bad input must raise ValueError on every rank with a message naming the value."""
+    n = 8
+    prop = BatchedTanhChain(max(n, 1), width=3)
+    u0 = _u0()
+    cases = {
+        "n_lt_p": (lambda: _solver(prop, COMM.size - 1, MGRITOptions()), "N=.* cannot be split"),
+        "cfactor_lt_2": (lambda: MGRITOptions(cfactor=1), "cfactor=1"),
+        "levels_lt_1": (lambda: MGRITOptions(max_levels=0), "max_levels=0"),
+        "negative_tol": (lambda: MGRITOptions(tol=-1e-3), "tol=-0.001"),
+        "wrong_shape": (lambda: _solver(prop, n, MGRITOptions()).solve(_u0(batch=5)),
+                        r"u0 has shape \(5, 3\)"),
+        "wrong_dtype": (lambda: _solver(prop, n, MGRITOptions()).solve(u0.float()),
+                        "dtype torch.float32"),
+        "nan_u0": (lambda: _solver(prop, n, MGRITOptions()).solve(
+            torch.where(torch.arange(3) == 1, torch.nan, u0)), "NaN"),
+        "bad_guess": (lambda: _solver(prop, n, MGRITOptions()).solve(u0, torch.zeros(1, 1, dtype=torch.float64)),
+                      "initial_guess"),
+        "bad_relax": (lambda: MGRITOptions(relax="FC"), "relaxation 'FC'"),
+        "bad_cycle": (lambda: MGRITOptions(cycle="W"), "cycle='W'"),
+    }
+    import re
+    make, pattern = cases[case]
+    try:
+        make()
+    except ValueError as exc:
+        assert re.search(pattern, str(exc)), f"rank {COMM.rank}: message {exc!s} lacks {pattern!r}"
+        return str(exc)
+    raise AssertionError(f"rank {COMM.rank}: no ValueError for {case}")

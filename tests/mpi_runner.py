@@ -1,0 +1,46 @@
+"""Rank-side entry point of :mod:`tests.mpi_harness` (not collected by pytest).
+
+Usage: ``mpiexec -n K python -m mpi4py tests/mpi_runner.py CALLS.json``, where the file holds a
+list of ``{"name", "target": "package.module:function", "kwargs"}``. Each rank runs the calls
+in order and rewrites its report (``rank-R.json`` in ``$LAYERPAR_MPI_REPORT_DIR``) after each
+one, so a failure keeps the verdicts of the calls before it.
+"""
+import importlib
+import json
+import os
+import sys
+import traceback
+
+from mpi4py import MPI
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        calls = json.load(fh)
+    rank = MPI.COMM_WORLD.Get_rank()
+    report = os.path.join(os.environ.get("LAYERPAR_MPI_REPORT_DIR", "."), f"rank-{rank}.json")
+    done = {}
+
+    def write():
+        tmp = report + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(done, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, report)
+
+    for call in calls:
+        module, func = call["target"].split(":")
+        try:
+            result = getattr(importlib.import_module(module), func)(**call["kwargs"])
+        except BaseException:
+            done[call["name"]] = {"status": "failed", "traceback": traceback.format_exc()}
+            write()
+            raise  # python -m mpi4py turns this into MPI_Abort: no rank is left hanging
+        done[call["name"]] = {"status": "ok", "result": None if result is None else repr(result)}
+        write()
+        MPI.COMM_WORLD.Barrier()  # keep the checks apart: no message of one leaks into the next
+
+
+if __name__ == "__main__":
+    main()
