@@ -11,7 +11,12 @@ import os
 import sys
 import traceback
 
-from mpi4py import MPI
+# Run as a script, Python puts tests/ first on sys.path, where tests/data/ would shadow the
+# real ``data`` package: drop it (the repository root is on PYTHONPATH).
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+from mpi4py import MPI  # noqa: E402
 
 
 def main() -> None:
