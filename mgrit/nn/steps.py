@@ -1,0 +1,112 @@
+"""Step modules F of a residual network x_{k+1} = x_k + h F(x_k; theta_k).
+
+Every step maps a state to a state of the same shape; any user ``nn.Module`` with that property
+works. Shapes: dense states ``(batch, width)``; convolutional states ``(batch, C, H, W)``.
+dtype follows the module's parameters (float64 for exact tests, float32 for training).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["SmoothReLU", "activation", "DenseStep", "ConvStep", "TwoConvStep", "ResidualStep",
+           "ACTIVATIONS", "make_step"]
+
+
+class SmoothReLU(nn.Module):
+    """ReLU blended quadratically on ``(-eps, eps)`` (Guenther et al. 2020, default eps = 0.1):
+    ``0`` for ``x <= -eps``, ``(x + eps)^2 / (4 eps)`` for ``|x| < eps``, ``x`` for ``x >= eps``.
+    Continuously differentiable; elementwise, any shape."""
+
+    def __init__(self, eps: float = 0.1):
+        super().__init__()
+        if not eps > 0:
+            raise ValueError(f"SmoothReLU eps={eps!r} is not allowed: use a number > 0")
+        self.eps = float(eps)
+
+    def forward(self, x):
+        e = self.eps
+        quad = (x + e) ** 2 / (4 * e)
+        return torch.where(x >= e, x, torch.where(x <= -e, torch.zeros_like(x), quad))
+
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "smoothrelu": SmoothReLU}
+
+
+def activation(name: str) -> nn.Module:
+    """``"tanh"``, ``"relu"`` or ``"smoothrelu"`` (ValueError otherwise)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not allowed: use one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()
+
+
+class DenseStep(nn.Module):
+    """``F(x) = act(W x + b)``, ``W`` of shape ``(width, width)``; states ``(batch, width)``."""
+
+    def __init__(self, width: int, act: str = "tanh"):
+        super().__init__()
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"width={width!r} is not allowed: use an int >= 1")
+        self.linear = nn.Linear(width, width)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.act(self.linear(x))
+
+
+class ConvStep(nn.Module):
+    """``F(x) = act(K * x + b)``: one ``channels -> channels`` convolution, 'same' padding
+    (odd ``kernel``); states ``(batch, channels, H, W)``."""
+
+    def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
+        super().__init__()
+        if not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+        self.conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.act(self.conv(x))
+
+
+class TwoConvStep(nn.Module):
+    """TorchBraid's MNIST block ``F(x) = act(K2 * act(K1 * x))`` (bias-free 3x3 by default);
+    states ``(batch, channels, H, W)``."""
+
+    def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
+        super().__init__()
+        if not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+        self.conv1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
+        self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.act(self.conv2(self.act(self.conv1(x))))
+
+
+def make_step(kind: str, features: int, act: str, kernel: int = 3) -> nn.Module:
+    """Factory used by the main job: ``kind`` in ``dense | conv | twoconv``."""
+    if kind == "dense":
+        return DenseStep(features, act)
+    if kind == "conv":
+        return ConvStep(features, kernel, act)
+    if kind == "twoconv":
+        return TwoConvStep(features, kernel, act)
+    raise ValueError(f"step type {kind!r} is not allowed: use 'dense', 'conv' or 'twoconv'")
+
+
+class ResidualStep(nn.Module):
+    """Serial forward-Euler layer ``x + h * F(x)`` (the building block of ``to_serial()``)."""
+
+    def __init__(self, F: nn.Module, h: float):
+        super().__init__()
+        self.F = F
+        self.h = float(h)
+
+    def forward(self, x):
+        return x + self.h * self.F(x)
