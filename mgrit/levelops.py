@@ -216,16 +216,22 @@ class LevelOps:
         """Sequential sweep ``u_j = Phi(u_{j-1}) + g_j`` over the level, pipelined across
         ranks (each rank waits for its left neighbour's last step)."""
         lv = st.lv
-        lo, hi = lv.lo, lv.hi
+        lo, hi, s = lv.lo, lv.hi, lv.stride
         if lo == hi:
             return
         st.cache = None
         tag = _tag(_TAG_COARSE, lv.index)
         incoming = self.ex.recv(lv.prev, tag) if lo > 0 else None
+        # Python lists of row views: per-step tensor indexing dominates for small states
+        us = list(st.u.unbind(0))
+        gs = st.g.unbind(0) if st.g is not None else None
+        step, level = self.prop.step, lv.index
         for j in range(lo, hi):
             if j > 0:
-                st.u[j - lo] = incoming if st.g is None else incoming + st.g[j - lo]
+                us[j - lo] = incoming if gs is None else incoming + gs[j - lo]
             if j + 1 < hi or lv.next is not None:
-                incoming = self.phi_one(st, j)
+                incoming = step(us[j - lo], j * s, (j + 1) * s, level)
+        self.stats.steps_single += (hi - lo) - (0 if lv.next is not None else 1)
+        st.u.copy_(torch.stack(us))
         if lv.next is not None:
             self.ex.isend(incoming, lv.next, tag)
