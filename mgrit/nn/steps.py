@@ -45,7 +45,7 @@ class DenseStep(nn.Module):
 
     def __init__(self, width: int, act: str = "tanh"):
         super().__init__()
-        if not isinstance(width, int) or width < 1:
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ValueError(f"width={width!r} is not allowed: use an int >= 1")
         self.linear = nn.Linear(width, width)
         self.act = activation(act)
@@ -54,16 +54,20 @@ class DenseStep(nn.Module):
         return self.act(self.linear(x))
 
 
+def _check_conv(channels, kernel):
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+        raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+
+
 class ConvStep(nn.Module):
     """``F(x) = act(K * x + b)``: one ``channels -> channels`` convolution, 'same' padding
     (odd ``kernel``); states ``(batch, channels, H, W)``."""
 
     def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
         super().__init__()
-        if not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
-        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+        _check_conv(channels, kernel)
         self.conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2)
         self.act = activation(act)
 
@@ -77,10 +81,7 @@ class TwoConvStep(nn.Module):
 
     def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
         super().__init__()
-        if not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
-        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+        _check_conv(channels, kernel)
         self.conv1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
         self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
         self.act = activation(act)

@@ -1,0 +1,121 @@
+"""Shared results helper of the experiment scripts: one place that writes what a study measured.
+
+Every study writes under ``experiments/results/<study>/``:
+
+* ``results.h5`` -- one HDF5 dataset per measured series (``save_series``) plus run metadata as
+  attributes;
+* ``table.md`` -- a markdown table (``markdown_table``) headed by the metadata block (command,
+  git commit, machine, date, load average) so a committed table says how it was produced;
+* ``*.png`` -- matplotlib figures (Agg backend) from ``plot_lines``.
+
+Only world rank 0 should call the writers.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["run_metadata", "results_dir", "save_series", "markdown_table", "write_table",
+           "plot_lines"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict:
+    """Command line, git commit (``+dirty`` when the tree has changes), machine, date, load."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = (commit or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {"command": " ".join(shlex.quote(a) for a in argv), "commit": commit,
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+                       f"{platform.python_implementation()} {platform.python_version()}",
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "loadavg": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "world_size": world_size}
+
+
+def results_dir(study: str, base: str | os.PathLike | None = None) -> Path:
+    """``experiments/results/<study>`` (or ``base/<study>``), created."""
+    d = Path(base) if base is not None else RESULTS
+    d = d / study
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_series(path: str | os.PathLike, series: Mapping[str, Sequence], meta: Mapping) -> None:
+    """Write each series as a float/int dataset of ``path`` (HDF5, atomically) with ``meta``
+    as attributes (non-scalar values JSON-encoded)."""
+    import h5py
+
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        for k, v in series.items():
+            f.create_dataset(k, data=np.asarray(v))
+        for k, v in meta.items():
+            f.attrs[k] = v if isinstance(v, (int, float, str)) else json.dumps(v)
+    os.replace(tmp, path)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A GitHub markdown table; floats get 4 significant digits."""
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_table(path: str | os.PathLike, title: str, meta: Mapping, body: str) -> None:
+    """Write ``# title``, the metadata block, then ``body`` (markdown) to ``path``."""
+    head = [f"# {title}", ""]
+    head += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    Path(path).write_text("\n".join(head) + "\n\n" + body.rstrip() + "\n")
+
+
+def plot_lines(path: str | os.PathLike, curves: Mapping[str, tuple], xlabel: str, ylabel: str,
+               title: str = "", logy: bool = False, logx: bool = False) -> None:
+    """One PNG with a line per ``name -> (x, y)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (x, y) in curves.items():
+        ax.plot(x, y, marker="o", ms=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
