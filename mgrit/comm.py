@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from .stats import SolverStats
 
-__all__ = ["Exchanger", "cuda_aware", "abort_on_exception"]
+__all__ = ["Exchanger", "cuda_aware", "abort_on_exception", "raise_agreed"]
 
 
 def cuda_aware() -> bool:
@@ -108,6 +108,21 @@ class PostedRecv:
                                f"{tuple(ex.shape)} {ex.dtype}")
         t = torch.from_numpy(self._buf).view(ex.dtype).reshape(ex.shape)
         return t.to(ex.device) if ex.device.type != "cpu" else t
+
+
+def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = None) -> None:
+    """Validation consensus: raise the same ``ValueError`` on every rank of ``comm`` if any
+    rank found an ``error`` (a message, or ``None``). For checks that depend on rank-local data
+    (the user's tensors or modules on one rank): one small ``allgather``, skipped on one rank,
+    so no rank goes on to communicate while another has failed."""
+    if comm.Get_size() > 1:
+        if stats is not None:
+            stats.allreduces += 1
+        errs = [f"rank {r}: {e}" for r, e in enumerate(comm.allgather(error)) if e]
+        if errs:
+            raise ValueError("; ".join(errs))
+    elif error:
+        raise ValueError(error)
 
 
 def abort_on_exception(comm: MPI.Comm | None = None) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .comm import Exchanger
+from .comm import Exchanger, raise_agreed
 from .grid import Hierarchy, Partition
 from .levelops import LevelOps, LevelState
 from .options import MGRITOptions
@@ -156,18 +156,6 @@ class MGRIT:
                 return err
         return None
 
-    def _agree(self, error: str | None, stats: SolverStats) -> None:
-        """Raise the same ValueError on every rank if any rank found an error (one small
-        allgather; skipped on one rank)."""
-        if self.comm.Get_size() > 1:
-            stats.allreduces += 1
-            errors = self.comm.allgather(error)
-            errs = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-            if errs:
-                raise ValueError("; ".join(errs))
-        elif error:
-            raise ValueError(error)
-
     # -- solve ---------------------------------------------------------------------------
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
@@ -193,7 +181,7 @@ class MGRIT:
         shape = self.state_shape if state_shape is None else torch.Size(state_shape)
         opts, levels = self.options, self.hierarchy.levels
         stats = SolverStats()
-        self._agree(self._local_error(u0, initial_guess, shape), stats)
+        raise_agreed(self.comm, self._local_error(u0, initial_guess, shape), stats)
         ex = Exchanger(self.comm, shape, self.dtype, self.device, stats)
         ops = LevelOps(self.propagator, ex, stats, opts.batched, float(opts.c_weight))
         self._ops, self._stats = ops, stats

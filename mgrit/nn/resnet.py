@@ -16,12 +16,14 @@ forward, the backward chain swept serially across ranks (a one-level adjoint sol
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
 from ..solver import MGRIT
@@ -97,25 +99,38 @@ class LayerParallelResNet(nn.Module):
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} is not allowed: use an int >= 1")
-        if not (isinstance(T, (int, float)) and T > 0):
-            raise ValueError(f"T={T!r} is not allowed: use a number > 0")
+        if isinstance(T, bool) or not isinstance(T, (int, float)) or not math.isfinite(T) or T <= 0:
+            raise ValueError(f"T={T!r} is not allowed: use a finite number > 0")
         if adjoint not in ("mgrit", "serial"):
             raise ValueError(f"adjoint={adjoint!r} is not allowed: use 'mgrit' or 'serial'")
+        for name, o in (("forward", forward), ("backward", backward)):
+            if o is not None and not isinstance(o, MGRITOptions):
+                raise ValueError(f"{name}={o!r} is not allowed: use MGRITOptions or None")
+        try:
+            shape = torch.Size(state_shape)
+        except TypeError:
+            shape = None
+        if shape is None or any(d < 1 for d in shape):
+            raise ValueError(f"state_shape={state_shape!r} is not allowed: use a tuple of "
+                             f"positive ints (one sample's state, without the batch dimension)")
         self.partition = Partition.even(n_layers, P) if partition is None else partition
         a, b = self.partition.block(rank)
         self.first, n_local = a, min(b, n_layers) - a
+        # checks of this rank's modules: agreed by all ranks (same message everywhere)
+        error = None
         if len(steps) != n_local:
-            raise ValueError(f"rank {rank} holds layers {a}..{a + n_local - 1} ({n_local}) but got "
-                             f"{len(steps)} step modules")
-        for k, s in enumerate(steps):
-            for m in s.modules():
-                if isinstance(m, _UNSUPPORTED):
-                    raise ValueError(f"layer {a + k} contains {type(m).__name__}, which is not "
-                                     f"supported in layer-parallel steps yet (statistics/masks "
-                                     f"would change across MGRIT sweeps); remove it")
+            error = (f"holds layers {a}..{a + n_local - 1} ({n_local}) but got {len(steps)} "
+                     f"step modules")
+        bad = [(a + k, type(m).__name__) for k, s in enumerate(steps) for m in s.modules()
+               if isinstance(m, _UNSUPPORTED)]
+        if error is None and bad:
+            error = (f"layer {bad[0][0]} contains {bad[0][1]}, which is not supported in "
+                     f"layer-parallel steps yet (statistics/masks would change across MGRIT "
+                     f"sweeps); remove it")
+        raise_agreed(self.comm, error)
         self.steps = nn.ModuleList(steps)
         self.n_layers, self.T, self.h = n_layers, float(T), float(T) / n_layers
-        self.state_shape = torch.Size(state_shape)
+        self.state_shape = shape
         self.fwd_opts = forward or MGRITOptions(max_levels=2, cfactor=4, tol=1e-10, max_iter=50)
         self.bwd_opts = backward or MGRITOptions(max_levels=2, cfactor=4, tol=1e-10, max_iter=50)
         if adjoint == "serial":
