@@ -12,8 +12,10 @@ linearizes the layer adjacent to that point, ``k = N - 1 - i``, with the step ``
 so no parameters ever cross ranks. The fixed point (the exact adjoint) does not depend on it.
 
 Concurrent relaxation: ``step_batch`` stacks the parameters of the layers involved and applies
-the step module once with ``torch.func.vmap`` over ``torch.func.functional_call`` (falls back
-to a loop for modules ``vmap`` cannot batch).
+them in one call: the module's own ``forward_batched`` (``baddbmm`` for dense steps, one grouped
+convolution for conv steps), else ``torch.func.vmap`` over ``torch.func.functional_call``, else
+(modules ``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients are one
+autograd call through that batched forward.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import functional_call, vmap
 
 from ..propagator import Propagator
 
@@ -29,25 +31,38 @@ __all__ = ["ForwardChain", "AdjointChain"]
 
 
 class _Stacked:
-    """Parameters and buffers of structurally identical modules, stacked along a new dim 0."""
+    """Parameters and buffers of structurally identical modules, stacked along a new dim 0,
+    and the batched application of the modules (``forward_batched`` when the module has one --
+    :class:`~mgrit.nn.steps.DenseStep` uses ``baddbmm``, the conv steps one grouped
+    convolution -- else ``vmap`` over ``functional_call``)."""
 
     def __init__(self, steps: Sequence[nn.Module]):
         self.template = steps[0]
-        names = [n for n, _ in steps[0].named_parameters()]
-        bnames = [n for n, _ in steps[0].named_buffers()]
-        self.ok = all([n for n, _ in s.named_parameters()] == names and
-                      [n for n, _ in s.named_buffers()] == bnames and
+        self.names = [n for n, _ in steps[0].named_parameters()]
+        self.bnames = [n for n, _ in steps[0].named_buffers()]
+        self.ok = all([n for n, _ in s.named_parameters()] == self.names and
+                      [n for n, _ in s.named_buffers()] == self.bnames and
                       all(p.shape == q.shape for p, q in zip(s.parameters(), steps[0].parameters()))
                       for s in steps)
-        self.tensors = {}
+        self._lists = {}
         if self.ok:
-            for n in names:
-                self.tensors[n] = torch.stack([s.get_parameter(n).detach() for s in steps])
-            for n in bnames:
-                self.tensors[n] = torch.stack([s.get_buffer(n) for s in steps])
+            self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
+            self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
+        self.tensors = {}
+        self._native = hasattr(self.template, "forward_batched")
+
+    def refresh(self) -> None:
+        """Re-stack the current values (after an optimizer step)."""
+        self.tensors = {n: torch.stack([t.detach() for t in lst]) for n, lst in self._lists.items()}
 
     def take(self, idx: torch.Tensor) -> dict:
         return {n: t.index_select(0, idx) for n, t in self.tensors.items()}
+
+    def apply(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        """``out[b] = F_b(x[b])`` for the stacked parameters ``p`` (``(B, ...)`` each)."""
+        if self._native:
+            return self.template.forward_batched(p, x)
+        return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
 
 
 class ForwardChain(Propagator):
@@ -63,33 +78,40 @@ class ForwardChain(Propagator):
 
     def __init__(self, steps: Sequence[nn.Module], first: int, h: float, batched: bool = True):
         self.steps, self.first, self.h = list(steps), int(first), float(h)
-        self._want_batched = batched
-        self._stack: _Stacked | None = None
+        self._stack = _Stacked(self.steps) if batched and len(self.steps) > 1 else None
+        if self._stack is not None and not self._stack.ok:
+            self._stack = None
 
     def refresh(self) -> None:
         """Snapshot the current parameters for batched steps (call after every optimizer step)."""
-        self._stack = _Stacked(self.steps) if self._want_batched and len(self.steps) > 1 else None
+        if self._stack is not None:
+            self._stack.refresh()
 
     @property
     def batched(self) -> bool:
-        return self._stack is not None and self._stack.ok
+        return self._stack is not None
 
     def step(self, u, start, stop, level):
         return u + ((stop - start) * self.h) * self.steps[start - self.first](u)
 
+    def _dt(self, starts, stops, like):
+        return torch.as_tensor([(b - a) * self.h for a, b in zip(starts, stops)], dtype=like.dtype,
+                               device=like.device).view(-1, *([1] * (like.dim() - 1)))
+
     def step_batch(self, u, starts, stops, level):
         if not self.batched:
             return super().step_batch(u, starts, stops, level)
+        if not self._stack.tensors:
+            self._stack.refresh()
         idx = torch.as_tensor([s - self.first for s in starts], device=u.device)
-        dt = torch.as_tensor([(b - a) * self.h for a, b in zip(starts, stops)], dtype=u.dtype,
-                             device=u.device).view(-1, *([1] * (u.dim() - 1)))
-        tmpl = self._stack.template
         try:
-            out = vmap(lambda p, x: functional_call(tmpl, p, (x,)))(self._stack.take(idx), u)
-        except Exception:  # a module vmap cannot batch: remember and loop from now on
-            self._stack = None
+            out = self._stack.apply(self._stack.take(idx), u)
+        except Exception:
+            if self._stack._native:
+                raise
+            self._stack = None  # a module vmap cannot batch: remember and loop from now on
             return super().step_batch(u, starts, stops, level)
-        return u + dt * out
+        return u + self._dt(starts, stops, u) * out
 
 
 class AdjointChain(Propagator):
@@ -116,52 +138,51 @@ class AdjointChain(Propagator):
 
     def step(self, mu, start, stop, level):
         j = self._layer(start)
-        fn = self._vjp.get(j)
-        if fn is None:  # the linearization is reused by every MGRIT iteration of this solve
+        graph = self._vjp.get(j)
+        if graph is None:  # the layer's graph is reused by every MGRIT iteration of this solve
+            x = self.states[j].detach().requires_grad_(True)
             with torch.enable_grad():
-                _, fn = vjp(self.fwd.steps[j], self.states[j])
-            self._vjp[j] = fn
-        return mu + fn(((stop - start) * self.fwd.h) * mu)[0]
+                graph = (x, self.fwd.steps[j](x))
+            self._vjp[j] = graph
+        x, y = graph
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(y, x, ((stop - start) * self.fwd.h) * mu, retain_graph=True)
+        return mu + g
 
     def step_batch(self, mu, starts, stops, level):
         if not self.batched:
             return super().step_batch(mu, starts, stops, level)
+        stack = self.fwd._stack
         idx = torch.as_tensor([self._layer(s) for s in starts], device=mu.device)
-        dt = torch.as_tensor([(b - a) * self.fwd.h for a, b in zip(starts, stops)],
-                             dtype=mu.dtype, device=mu.device).view(-1, *([1] * (mu.dim() - 1)))
-        tmpl = self.fwd._stack.template
-
-        def one(p, x, c):
-            return vjp(lambda xx: functional_call(tmpl, p, (xx,)), x)[1](c)[0]
-
+        x = self.states.index_select(0, idx).requires_grad_(True)
         with torch.enable_grad():
-            out = vmap(one)(self.fwd._stack.take(idx), self.states.index_select(0, idx), dt * mu)
-        return mu + out
+            y = stack.apply(stack.take(idx), x)
+            (g,) = torch.autograd.grad(y, x, self.fwd._dt(starts, stops, mu) * mu)
+        return mu + g
 
     def parameter_gradients(self, lam_next: torch.Tensor, batched: bool) -> list[torch.Tensor]:
         """``dL/dtheta_k = h * (dF_k/dtheta_k (x_k))^T lambda_{k+1}`` for every local layer.
 
         Args:
             lam_next: ``(n_local_layers, *state_shape)``, row ``j`` is ``lambda_{first+j+1}``.
-            batched: one ``vmap`` over all local layers instead of a loop.
+            batched: one batched call over all local layers instead of a loop.
 
         Returns:
             gradients in the order of ``[p for s in steps for p in s.parameters()]``.
         """
         steps, h = self.fwd.steps, self.fwd.h
         cot = h * lam_next
+        n = len(steps)
         if batched and self.fwd.batched:
-            tmpl, stack = self.fwd._stack.template, self.fwd._stack.tensors
-            names = [n for n, _ in tmpl.named_parameters()]
-            params = {n: stack[n] for n in names}
-            buffers = {n: t for n, t in stack.items() if n not in params}
-
-            def one(p, b, x, c):
-                return vjp(lambda pp: functional_call(tmpl, {**pp, **b}, (x,)), p)[1](c)[0]
-
+            stack = self.fwd._stack
+            p = {k: (t.clone().requires_grad_(True) if k in stack.names else t)
+                 for k, t in stack.tensors.items()}
             with torch.enable_grad():
-                g = vmap(one)(params, buffers, self.states[:len(steps)], cot)
-            return [g[n][j] for j in range(len(steps)) for n in names]
+                y = stack.apply(p, self.states[:n].detach())
+                g = torch.autograd.grad(y, [p[k] for k in stack.names], cot, allow_unused=True)
+            g = {k: (gk if gk is not None else torch.zeros_like(p[k]))
+                 for k, gk in zip(stack.names, g)}
+            return [g[k][j] for j in range(n) for k in stack.names]
         out = []
         with torch.enable_grad():
             for j, s in enumerate(steps):

@@ -189,6 +189,7 @@ class LayerParallelResNet(nn.Module):
                 raise ValueError("batch_size is required on ranks other than the first")
             batch, x0 = int(batch_size), torch.zeros(0, dtype=self.dtype, device=self.device)
         self._batch = batch
+        self._update_warm = torch.is_grad_enabled()  # evaluation keeps the training warm start
         return _MGRITFunction.apply(self, x0, *self.steps.parameters())
 
     def _forward_solve(self, x0):
@@ -199,7 +200,7 @@ class LayerParallelResNet(nn.Module):
         res = self._fsolver.solve(x0.detach() if self.is_first else None, initial_guess=guess,
                                   state_shape=shape)
         self.last_forward, self._states = res, res.states
-        if self.warm_start:
+        if self.warm_start and self._update_warm:
             self._warm = res.states
         if self.is_last:
             return res.states[-1].clone()

@@ -53,6 +53,23 @@ class DenseStep(nn.Module):
     def forward(self, x):
         return self.act(self.linear(x))
 
+    def forward_batched(self, p: dict, x):
+        """``B`` layers at once: ``p`` holds this module's parameters stacked along dim 0
+        (``linear.weight`` ``(B, w, w)``, ``linear.bias`` ``(B, w)``); ``x`` is ``(B, batch, w)``."""
+        z = torch.baddbmm(p["linear.bias"].unsqueeze(1), x, p["linear.weight"].transpose(1, 2))
+        return self.act(z)
+
+
+def _grouped_conv(x, weight, bias, padding):
+    """Apply ``B`` different ``C -> C`` convolutions to ``x`` ``(B, n, C, H, W)`` with one
+    ``conv2d`` call (``groups = B``); ``weight`` ``(B, C, C, k, k)``, ``bias`` ``(B, C)``."""
+    B, n, C, H, W = x.shape
+    xr = x.transpose(0, 1).reshape(n, B * C, H, W)
+    y = torch.nn.functional.conv2d(xr, weight.reshape(B * C, *weight.shape[2:]),
+                                   None if bias is None else bias.reshape(B * C),
+                                   padding=padding, groups=B)
+    return y.reshape(n, B, C, *y.shape[2:]).transpose(0, 1)
+
 
 def _check_conv(channels, kernel):
     if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
@@ -74,6 +91,10 @@ class ConvStep(nn.Module):
     def forward(self, x):
         return self.act(self.conv(x))
 
+    def forward_batched(self, p: dict, x):
+        """``B`` layers at once as one grouped convolution; ``x`` ``(B, batch, C, H, W)``."""
+        return self.act(_grouped_conv(x, p["conv.weight"], p["conv.bias"], self.conv.padding))
+
 
 class TwoConvStep(nn.Module):
     """TorchBraid's MNIST block ``F(x) = act(K2 * act(K1 * x))`` (bias-free 3x3 by default);
@@ -88,6 +109,12 @@ class TwoConvStep(nn.Module):
 
     def forward(self, x):
         return self.act(self.conv2(self.act(self.conv1(x))))
+
+    def forward_batched(self, p: dict, x):
+        """``B`` layers at once as grouped convolutions; ``x`` ``(B, batch, C, H, W)``."""
+        pad = self.conv1.padding
+        y = self.act(_grouped_conv(x, p["conv1.weight"], None, pad))
+        return self.act(_grouped_conv(y, p["conv2.weight"], None, pad))
 
 
 def make_step(kind: str, features: int, act: str, kernel: int = 3) -> nn.Module:

@@ -450,11 +450,12 @@ def check_warm_start(kind, act, n, levels, cfactor):
     opts = _opts(levels, cfactor, tol=0.0, max_iter=1)
     model = _build(kind, act, n, T=4.0, seed=11, fwd=opts, bwd=opts)
     assert model.warm_start, "inexact mode should warm-start by default"
-    with torch.no_grad():
-        model(x if model.is_first else None, batch_size=BATCH)
-        cold = list(model.last_forward.residuals)
-        model(x if model.is_first else None, batch_size=BATCH)
-        warm = list(model.last_forward.residuals)
+    model(x if model.is_first else None, batch_size=BATCH)  # a training forward (grad enabled)
+    cold = list(model.last_forward.residuals)
+    with torch.no_grad():  # an evaluation forward neither uses up nor replaces the warm state
+        model(x.flip(0) if model.is_first else None, batch_size=BATCH)
+    model(x if model.is_first else None, batch_size=BATCH)
+    warm = list(model.last_forward.residuals)
     assert warm[-1] < 0.5 * cold[-1], f"warm residual {warm} not below cold {cold}"
     cold_model = _build(kind, act, n, T=4.0, seed=11, fwd=opts, bwd=opts, warm_start=False)
     with torch.no_grad():

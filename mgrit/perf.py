@@ -1,0 +1,398 @@
+"""Cost model of layer-parallel training: serial, layer-wise model parallelism, pipelining, MGRIT.
+
+Below :mod:`mgrit.nn` in the layering (uses :mod:`mgrit.grid`/:mod:`mgrit.options` only).
+Calibrated costs: :class:`StepCost` (one step for the whole batch: ``single``, and a batched call
+over ``B`` intervals ``call + item * B``; :func:`calibrate_step` times callables) and
+:class:`CommCost` (message ``latency + bytes / bandwidth``; :func:`pingpong`).
+MGRIT: :func:`simulate` replays ``MGRIT.solve``/``LevelOps`` on every rank's grid in lockstep per
+operation (messages flow left to right, a receive waits ``max(t_own, t_send + beta)``): exact
+``SolverStats`` counts per rank and a critical path; the coarsest sweep is pipelined,
+``N_c tau_1 + (P - 1) beta``. Baselines per direction (tau = one layer, beta = one message):
+serial ``N tau``; layer-wise blocking chain ``N tau + (P - 1) beta``; pipelined, ``M``
+micro-batches, ``(M + P - 1)(ceil(N/P) tau(b/M) + beta/M)``. Planner: :func:`plan`.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .grid import Hierarchy, Partition
+from .options import MGRITOptions
+
+__all__ = ["StepCost", "CommCost", "fit_step_cost", "calibrate_step", "pingpong", "simulate",
+           "Simulation", "layerwise_time", "pipelined_time",
+           "TrainCosts", "training_times", "Plan", "plan", "scaling_table"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Time of one step applied to the whole batch: ``single`` for one interval, ``call +
+    item * B`` for one batched call over ``B`` intervals."""
+    single: float
+    call: float
+    item: float
+
+    def __post_init__(self):
+        for n, v in (("single", self.single), ("call", self.call), ("item", self.item)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"StepCost.{n}={v!r} is not allowed: use a finite number >= 0")
+
+    def batched(self, B: int) -> float:
+        return self.call + self.item * B
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One point-to-point message: ``latency + nbytes / bandwidth`` seconds."""
+    latency: float = 5e-6
+    bandwidth: float = 5e9
+
+    def __post_init__(self):
+        if not (0 <= self.latency < math.inf and self.bandwidth > 0):
+            raise ValueError(f"{self!r}: latency must be >= 0 and bandwidth > 0")
+
+    def message(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def _posint(**kw) -> None:
+    for name, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} is not allowed: use an int >= 1")
+
+
+def _median_time(fn: Callable[[], object], repeats: int, clock=time.perf_counter) -> float:
+    def once():
+        t0 = clock()
+        fn()
+        return clock() - t0
+    return statistics.median(once() for _ in range(repeats))
+
+
+def fit_step_cost(single: float, sizes: Sequence[int], times: Sequence[float]) -> StepCost:
+    """Least-squares fit of ``times[i] = call + item * sizes[i]`` (both clipped at >= 0);
+    ValueError for fewer than two distinct sizes or mismatched lengths."""
+    if len(sizes) != len(times) or len(set(sizes)) < 2:
+        raise ValueError("fit_step_cost needs >= 2 distinct batch sizes with one time each")
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    item = max(sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx, 0.0)
+    return StepCost(float(single), max(my - item * mx, 0.0), item)
+
+
+def calibrate_step(single_fn: Callable[[], object], batch_fn: Callable[[int], object],
+                   sizes: Sequence[int] = (2, 8, 32, 64), repeats: int = 5,
+                   inner: int = 10, clock: Callable[[], float] = time.perf_counter) -> StepCost:
+    """Measure ``single_fn()`` (one step) and ``batch_fn(B)`` (one batched call over ``B``
+    intervals) and fit a :class:`StepCost` (medians of ``repeats`` runs of ``inner`` calls).
+    ``clock``: wall clock by default; ``time.process_time`` (CPU time of a one-thread process)
+    is robust on a shared, oversubscribed machine."""
+    single_fn(), [batch_fn(B) for B in sizes]  # warm-up
+    single = _median_time(lambda: [single_fn() for _ in range(inner)], repeats, clock) / inner
+    times = [_median_time(lambda B=B: [batch_fn(B) for _ in range(inner)], repeats, clock) / inner
+             for B in sizes]
+    return fit_step_cost(single, sizes, times)
+
+
+def pingpong(comm, nbytes: Sequence[int] = (8, 1 << 16), repeats: int = 50,
+             clock: Callable[[], float] = time.perf_counter) -> CommCost | None:
+    """Ping-pong between ranks 0 and 1 of ``comm`` (collective over ``comm``); returns the fitted
+    :class:`CommCost` on every rank (``None`` when ``comm`` has fewer than 2 ranks)."""
+    import numpy as np
+    if comm.Get_size() < 2:
+        return None
+    rank, half = comm.Get_rank(), []
+    for n in nbytes:
+        buf = np.zeros(max(n, 1), dtype=np.uint8)
+        comm.Barrier()
+        t0 = clock()
+        for _ in range(repeats):
+            if rank < 2:  # rank 0 sends first, rank 1 answers
+                (comm.Send if rank == 0 else comm.Recv)(buf, 1 - rank, 7)
+                (comm.Recv if rank == 0 else comm.Send)(buf, 1 - rank, 7)
+        half.append((clock() - t0) / (2 * repeats))
+    half = comm.bcast(half, root=0)
+    bw = (nbytes[-1] - nbytes[0]) / max(half[-1] - half[0], 1e-12)
+    return CommCost(max(half[0] - nbytes[0] / bw, 0.0), bw)
+
+
+_COUNTS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages", "allreduces")
+
+
+class Simulation:
+    """Per-rank outcome of :func:`simulate`: lists (one entry per rank) of the counters named as
+    in ``SolverStats`` (:data:`_COUNTS`) and ``time``, each rank's simulated finishing time."""
+
+    def __init__(self, P: int):
+        for k in _COUNTS:
+            setattr(self, k, [0] * P)
+        self.time = [0.0] * P
+
+    @property
+    def critical_path(self) -> float:
+        return max(self.time)
+
+    def rank(self, r: int) -> dict:
+        return {k: getattr(self, k)[r] for k in _COUNTS}
+
+
+class _Replay:
+    def __init__(self, N, P, opts, batched, tau, comm_cost, nbytes):
+        part = Partition.even(N, P)
+        self.h = [Hierarchy(part, r, opts.cfactor, opts.max_levels, opts.min_coarse).levels
+                  for r in range(P)]
+        self.P, self.opts, self.batched, self.tau = P, opts, batched, tau
+        self.beta = comm_cost.message(nbytes)
+        self.red = comm_cost.message(8) * max(1, math.ceil(math.log2(P))) if P > 1 else 0.0
+        self.s = Simulation(P)
+        self.cache = [[None] * len(self.h[0]) for _ in range(P)]
+
+    def phi(self, r, n):
+        if n == 1 or not self.batched:
+            return self.single(r, n)
+        self.s.steps_batched_calls[r] += 1
+        self.s.steps_batched_items[r] += n
+        self.s.time[r] += self.tau.batched(n)
+
+    def single(self, r, n=1):
+        self.s.steps_single[r] += n
+        self.s.time[r] += n * self.tau.single
+
+    def send(self, r):
+        self.s.messages[r] += 1
+        return self.s.time[r] + self.beta
+
+    def f_relax(self, l):
+        arrive = None  # arrival time of the previous rank's message (ranks in chain order)
+        for r in range(self.P):
+            lv = self.h[r][l]
+            lo, hi, m = lv.lo, lv.hi, lv.cfactor
+            if lo == hi:
+                continue
+            self.cache[r][l] = None
+            send, recv = lv.next is not None and hi % m != 0, lo % m != 0
+            first_c = -(-lo // m) * m
+            stop, out = (hi + 1 if send else hi), None
+            if first_c < hi:
+                for k in range(1, m):
+                    if first_c + k >= stop:
+                        break
+                    self.phi(r, len(range(first_c + k - 1, stop - 1, m)))
+                    if range(first_c + k, stop, m)[-1] == hi:
+                        out = self.send(r)
+            if recv:
+                end = min(first_c, hi)
+                self.s.time[r] = max(self.s.time[r], arrive)
+                self.single(r, max(end - lo - 1, 0))
+                if end == hi and send:
+                    self.single(r)
+                    out = self.send(r)
+            arrive = out
+
+    def incoming(self, l, mod):
+        arrive = None
+        for r in range(self.P):
+            lv = self.h[r][l]
+            lo, hi = lv.lo, lv.hi
+            if lo == hi or self.cache[r][l] == mod:
+                continue
+            first_t = max(-(-lo // mod) * mod, mod)
+            send, recv = lv.next is not None and hi % mod == 0, first_t == lo
+            local = range(first_t + mod if recv else first_t, hi + 1 if send else hi, mod)
+            out = None
+            if len(local):
+                self.phi(r, len(local))
+                if send:
+                    out = self.send(r)
+            if recv:
+                self.s.time[r] = max(self.s.time[r], arrive)
+            self.cache[r][l] = mod
+            arrive = out
+
+    def clear(self, l):  # an operation changed u: cached incoming steps are stale
+        for r in (r for r in range(self.P) if self.h[r][l].n_local):
+            self.cache[r][l] = None
+
+    def coarse_solve(self, l):
+        arrive = None
+        for r in range(self.P):
+            lv = self.h[r][l]
+            if lv.lo == lv.hi:
+                continue
+            self.cache[r][l] = None
+            if lv.lo > 0:
+                self.s.time[r] = max(self.s.time[r], arrive)
+            self.single(r, lv.n_local - (0 if lv.next is not None else 1))
+            arrive = self.send(r) if lv.next is not None else None
+
+    def allreduce(self):
+        if self.P > 1:
+            t = max(self.s.time) + self.red
+            for r in range(self.P):
+                self.s.time[r] = t
+                self.s.allreduces[r] += 1
+
+    def residual(self):
+        self.incoming(0, self.h[0][0].cfactor or 1)
+        self.allreduce()
+
+    def cycle(self, l, cycle, it, first_f, skip):
+        if self.h[0][l].cfactor is None:
+            return self.coarse_solve(l)
+        if not skip:
+            if first_f and (l > 0 or it == 0):
+                self.f_relax(l)
+            for _ in range(self.opts.sweeps(l)):
+                self.incoming(l, self.h[0][l].cfactor)
+                self.clear(l)
+                self.f_relax(l)
+        self.incoming(l, self.h[0][l].cfactor)  # restriction
+        self.clear(l + 1)
+        self.incoming(l + 1, 1)
+        self.cycle(l + 1, cycle, it, True, skip)
+        self.clear(l)  # correction
+        self.f_relax(l)
+        if l > 0 and cycle == "F":
+            self.cycle(l, "V", it, False, False)
+
+    def run(self, iterations):
+        o = self.opts
+        self.allreduce()  # validation agreement
+        n = len(self.h[0])
+        if n == 1:
+            self.coarse_solve(0)
+            return self.s
+        if o.nested_iteration:
+            self.coarse_solve(n - 1)
+            for l in range(n - 2, -1, -1):
+                self.clear(l)
+                if l > 0:
+                    self.cycle(l, "V", 0, True, False)
+        if o.rtol > 0:
+            self.residual()
+        for it in range(iterations):
+            self.cycle(0, o.cycle, it, True, o.skip_first_relaxation and it == 0)
+            self.residual()
+        return self.s
+
+
+_ZERO = StepCost(0.0, 0.0, 0.0)
+
+
+def simulate(n_intervals: int, nprocs: int, options: MGRITOptions, iterations: int | None = None,
+             batched: bool | None = None, tau: StepCost = _ZERO, comm: CommCost = CommCost(),
+             nbytes: int = 0) -> Simulation:
+    """Replay ``iterations`` cycles (default ``options.max_iter``; a fixed-iteration solve)
+    of ``MGRIT.solve`` on ``nprocs`` ranks. ``batched`` defaults to ``options.batched`` (pass
+    False for a propagator without a batched kernel). ValueError: ``N < P``, ``iterations < 1``,
+    bad options."""
+    if not isinstance(options, MGRITOptions):
+        raise ValueError(f"options must be MGRITOptions, got {type(options).__name__}")
+    iterations = options.max_iter if iterations is None else iterations
+    _posint(n_intervals=n_intervals, nprocs=nprocs, iterations=iterations)
+    batched = options.batched if batched is None else batched
+    return _Replay(n_intervals, nprocs, options, batched, tau, comm, nbytes).run(iterations)
+
+
+def layerwise_time(N: int, P: int, tau: float, beta: float) -> float:
+    """Blocking chain over ``P`` ranks (one direction)."""
+    return N * tau + (P - 1) * beta
+
+
+def pipelined_time(N: int, P: int, M: int, tau_micro: float, beta_micro: float) -> float:
+    """GPipe-style schedule of ``M`` micro-batches over ``P`` stages (one direction)."""
+    return (M + P - 1) * (math.ceil(N / P) * tau_micro + beta_micro)
+
+
+@dataclass(frozen=True)
+class TrainCosts:
+    """Calibrated costs of one network/batch. ``fwd``/``adj``: MGRIT step costs of the forward
+    and adjoint chains; ``serial_fwd``/``serial_bwd``: one layer of plain autograd forward
+    (recording) and backward; ``pgrad_item``: the batched parameter-gradient
+    sweep per layer; ``per_layer``: per-layer cost of the optimizer update; ``refresh``: per-layer cost
+    of snapshotting (stacking) parameters before each MGRIT forward; ``nbytes``: one state
+    message."""
+    fwd: StepCost
+    adj: StepCost
+    serial_fwd: float
+    serial_bwd: float
+    pgrad_item: float = 0.0
+    per_layer: float = 0.0
+    nbytes: int = 0
+    refresh: float = 0.0
+
+
+def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
+                   K_f: int, K_b: int, comm: CommCost = CommCost(), M: int = 4) -> dict:
+    """Predicted seconds of forward, backward and training step for each method."""
+    beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
+    sf, sb = costs.serial_fwd, costs.serial_bwd
+    out = {"serial": {"forward": N * sf, "backward": N * sb},
+           "layerwise": {"forward": layerwise_time(N, P, sf, beta),
+                         "backward": layerwise_time(N, P, sb, beta)},
+           "pipelined": {"forward": pipelined_time(N, P, M, sf / M, beta / M),
+                         "backward": pipelined_time(N, P, M, sb / M, beta / M)}}
+    f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes).critical_path
+    b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes).critical_path
+    f, b = f + nl * costs.refresh, b + nl * costs.pgrad_item
+    out["mgrit"] = {"forward": f, "backward": b}
+    for k, v in out.items():
+        v["train"] = v["forward"] + v["backward"] + (N if k == "serial" else nl) * costs.per_layer
+    return out
+
+
+@dataclass
+class Plan:
+    """Recommended settings and predictions for one ``(N, P)``."""
+    N: int
+    P: int
+    cfactor: int
+    levels: int
+    K_f: int
+    K_b: int
+    relax: str
+    times: dict = field(default_factory=dict)
+
+    @property
+    def speedup_vs_layerwise(self) -> float:
+        return self.times["layerwise"]["train"] / self.times["mgrit"]["train"]
+
+    @property
+    def speedup_vs_serial(self) -> float:
+        return self.times["serial"]["train"] / self.times["mgrit"]["train"]
+
+
+def plan(N: int, P: int, costs: TrainCosts, comm: CommCost = CommCost(), K_f: int = 2,
+         K_b: int = 1, relax: str = "F", cfactors: Sequence[int] = (4, 8, 16, 32, 64, 128),
+         max_levels: int = 4) -> Plan:
+    """Choose ``m`` and ``L`` minimizing the predicted MGRIT training step at fixed iteration
+    counts (TorchBraid defaults 2 forward / 1 backward; inexact training with warm start).
+    (Convergence, i.e. ``m h |omega|`` small, is the user's check: restrict ``cfactors``.)
+    ValueError: ``N < P``, ``P < 1``, non-positive iteration counts or no admissible m."""
+    _posint(N=N, P=P, K_f=K_f, K_b=K_b, max_levels=max_levels)
+    if N < P:
+        raise ValueError(f"N={N} < P={P}: every rank needs at least one layer")
+    cands = [m for m in cfactors if N // m >= 2]
+    if not cands:
+        raise ValueError(f"no coarsening factor in {list(cfactors)} fits N={N}")
+    best = None
+    for m in cands:
+        for L in range(2, max_levels + 1):
+            if N // m ** (L - 1) < 2:
+                break
+            o = MGRITOptions(max_levels=L, cfactor=m, tol=0, max_iter=K_f, relax=relax)
+            ob = MGRITOptions(max_levels=L, cfactor=m, tol=0, max_iter=K_b, relax=relax)
+            t = training_times(N, P, costs, o, ob, K_f, K_b, comm)
+            if best is None or t["mgrit"]["train"] < best.times["mgrit"]["train"]:
+                best = Plan(N, P, m, L, K_f, K_b, relax, t)
+    return best
+
+
+def scaling_table(N: int, costs: TrainCosts, comm: CommCost = CommCost(),
+                  ranks: Sequence[int] = tuple(2 ** k for k in range(11)), **kw) -> list[Plan]:
+    """:func:`plan` for each ``P`` in ``ranks`` with ``P <= N``."""
+    return [plan(N, P, costs, comm, **kw) for P in ranks if P <= N]
