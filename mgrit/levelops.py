@@ -86,8 +86,9 @@ class LevelOps:
         s = lv.stride
         self.stats.steps_batched_calls += 1
         self.stats.steps_batched_items += len(sources)
-        return self.prop.step_batch(st.u[_sl(sources, lv.lo)], [j * s for j in sources],
-                                    [(j + 1) * s for j in sources], lv.index)
+        a, b, c = sources.start, sources.stop, sources.step
+        return self.prop.step_batch(st.u[_sl(sources, lv.lo)], range(a * s, b * s, c * s),
+                                    range((a + 1) * s, (b + 1) * s, c * s), lv.index)
 
     def _set(self, st: LevelState, targets: range, values: torch.Tensor) -> None:
         sl = _sl(targets, st.lv.lo)

@@ -64,7 +64,8 @@ class Propagator(ABC):
 
         Args:
             u: stacked states, shape ``(B, *state_shape)``.
-            starts, stops: fine indices of each interval (length ``B``).
+            starts, stops: fine indices of each interval (length ``B``); the solver passes
+                ``range`` objects (arithmetic progressions) of equal interval lengths.
             level: multigrid level of all ``B`` intervals.
 
         Returns:

@@ -55,7 +55,10 @@ class _Stacked:
         """Re-stack the current values (after an optimizer step)."""
         self.tensors = {n: torch.stack([t.detach() for t in lst]) for n, lst in self._lists.items()}
 
-    def take(self, idx: torch.Tensor) -> dict:
+    def take(self, idx) -> dict:
+        """Rows ``idx`` of every stacked tensor: a ``slice`` gives views, a tensor copies."""
+        if isinstance(idx, slice):
+            return {n: t[idx] for n, t in self.tensors.items()}
         return {n: t.index_select(0, idx) for n, t in self.tensors.items()}
 
     def apply(self, p: dict, x: torch.Tensor) -> torch.Tensor:
@@ -95,17 +98,27 @@ class ForwardChain(Propagator):
         return u + ((stop - start) * self.h) * self.steps[start - self.first](u)
 
     def _dt(self, starts, stops, like):
+        """Step sizes of a batched call: a float when all intervals have the same length
+        (always the case for the solver's calls), else a broadcastable tensor."""
+        spans = {b - a for a, b in zip(starts, stops)}
+        if len(spans) == 1:
+            return spans.pop() * self.h
         return torch.as_tensor([(b - a) * self.h for a, b in zip(starts, stops)], dtype=like.dtype,
                                device=like.device).view(-1, *([1] * (like.dim() - 1)))
+
+    def _rows(self, starts, device):
+        """Local layer rows for interval starts: a slice for a range, else an index tensor."""
+        if isinstance(starts, range) and starts.step > 0:
+            return slice(starts.start - self.first, starts.stop - self.first, starts.step)
+        return torch.as_tensor([s - self.first for s in starts], device=device)
 
     def step_batch(self, u, starts, stops, level):
         if not self.batched:
             return super().step_batch(u, starts, stops, level)
         if not self._stack.tensors:
             self._stack.refresh()
-        idx = torch.as_tensor([s - self.first for s in starts], device=u.device)
         try:
-            out = self._stack.apply(self._stack.take(idx), u)
+            out = self._stack.apply(self._stack.take(self._rows(starts, u.device)), u)
         except Exception:
             if self._stack._native:
                 raise
@@ -153,7 +166,12 @@ class AdjointChain(Propagator):
         if not self.batched:
             return super().step_batch(mu, starts, stops, level)
         stack = self.fwd._stack
-        idx = torch.as_tensor([self._layer(s) for s in starts], device=mu.device)
+        if isinstance(starts, range):
+            first = self._layer(starts[0])
+            idx = torch.arange(first, first - len(starts) * starts.step, -starts.step,
+                               device=mu.device)
+        else:
+            idx = torch.as_tensor([self._layer(s) for s in starts], device=mu.device)
         x = self.states.index_select(0, idx).requires_grad_(True)
         with torch.enable_grad():
             y = stack.apply(stack.take(idx), x)

@@ -129,6 +129,7 @@ class LayerParallelResNet(nn.Module):
                      f"sweeps); remove it")
         raise_agreed(self.comm, error)
         self.steps = nn.ModuleList(steps)
+        self._params = list(self.steps.parameters())  # autograd inputs (fixed set of tensors)
         self.n_layers, self.T, self.h = n_layers, float(T), float(T) / n_layers
         self.state_shape = shape
         self.fwd_opts = forward or MGRITOptions(max_levels=2, cfactor=4, tol=1e-10, max_iter=50)
@@ -190,7 +191,7 @@ class LayerParallelResNet(nn.Module):
             batch, x0 = int(batch_size), torch.zeros(0, dtype=self.dtype, device=self.device)
         self._batch = batch
         self._update_warm = torch.is_grad_enabled()  # evaluation keeps the training warm start
-        return _MGRITFunction.apply(self, x0, *self.steps.parameters())
+        return _MGRITFunction.apply(self, x0, *self._params)
 
     def _forward_solve(self, x0):
         shape = torch.Size((self._batch, *self.state_shape))

@@ -56,7 +56,8 @@ class DenseStep(nn.Module):
     def forward_batched(self, p: dict, x):
         """``B`` layers at once: ``p`` holds this module's parameters stacked along dim 0
         (``linear.weight`` ``(B, w, w)``, ``linear.bias`` ``(B, w)``); ``x`` is ``(B, batch, w)``."""
-        z = torch.baddbmm(p["linear.bias"].unsqueeze(1), x, p["linear.weight"].transpose(1, 2))
+        z = torch.bmm(x, p["linear.weight"].transpose(1, 2))  # bmm: baddbmm is 4x slower on CPU
+        z += p["linear.bias"].unsqueeze(1)
         return self.act(z)
 
 
