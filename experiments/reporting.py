@@ -36,7 +36,9 @@ def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                                 capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        # changed or new files count as dirty, except the results being written
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".",
+                                ":(exclude)experiments/results"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         commit = (commit or "unknown") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
