@@ -224,6 +224,16 @@ class LayerParallelResNet(nn.Module):
         gx0 = res.states[N - lo].clone() if self.is_first else None
         return gx0, pgrads
 
+    def _apply(self, fn, *args, **kwargs):
+        """Keep the solvers' dtype/device in step with ``.to()``, ``.double()``, ``.cuda()``."""
+        super()._apply(fn, *args, **kwargs)
+        if self._params:
+            self.dtype, self.device = self._params[0].dtype, self._params[0].device
+            for solver in (self._fsolver, self._bsolver):
+                solver.dtype, solver.device = self.dtype, self.device
+        self._warm = None
+        return self
+
     # -- utilities ----------------------------------------------------------------------
     def to_serial(self) -> nn.Sequential:
         """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
