@@ -142,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads per rank (0 = 1 when world size > 1, else "
                         "torch's default)")
+    g = p.add_argument_group("reliability")
+    g.add_argument("--guard", choices=("off", "warn", "add_iterations", "serial"), default="warn",
+                   help="convergence guard action when the MGRIT residual grows over 3 cycles "
+                        "(logged to RUN/guard.jsonl); NaN/Inf always stops the run with the layer "
+                        "named")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="--method mgrit: save RUN/checkpoint.pt every K optimizer steps and at the "
+                        "end of every epoch (0 = no checkpoints); atomic, resumable on any P")
+    g.add_argument("--resume", default=None,
+                   help="--method mgrit: checkpoint file to resume from (same flags otherwise; any "
+                        "number of layer ranks)")
+    g = p.add_argument_group("output")
     g.add_argument("--out", default=None,
                    help="run directory (default runs/<method>-<timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -154,6 +166,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> N
         if a.method not in ("mgrit", "serial"):
             p.error(f"--serial conflicts with --method {a.method}")
         a.method = "serial"
+        a.serial = False
     for name in ("layers", "width", "channels", "kernel", "levels", "fwd_iters", "bwd_iters",
                  "epochs", "batch_size", "eval_batch_size"):
         if getattr(a, name) < 1:
@@ -162,7 +175,13 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> N
         p.error(f"--cfactor={a.cfactor} is not allowed: use an int >= 2")
     if a.kernel % 2 == 0:
         p.error(f"--kernel={a.kernel} is not allowed: use an odd int")
-    for name in ("limit_train", "limit_test", "seed", "threads", "dp", "stages"):
+    if (a.checkpoint_every or a.resume) and a.method != "mgrit":
+        p.error(f"--checkpoint-every/--resume are supported with --method mgrit only, "
+                f"got --method {a.method}")
+    if a.resume and not os.path.isfile(a.resume):
+        p.error(f"--resume={a.resume!r}: no such checkpoint file")
+    for name in ("limit_train", "limit_test", "seed", "threads", "dp", "stages",
+                 "checkpoint_every"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')}={getattr(a, name)} is not allowed: use an int >= 0")
     for name in ("T", "lr"):
@@ -315,8 +334,8 @@ def default_out(method: str) -> Path:
 
 # ----------------------------------------------------------------------------- training
 def main(argv=None) -> int:
-    from mgrit.comm import abort_on_exception
-    abort_on_exception()
+    from mgrit.faults import fail_fast
+    fail_fast(MPI.COMM_WORLD)  # an exception on any rank ends the job, naming rank and phase
     world_comm = MPI.COMM_WORLD
     world, wrank = world_comm.Get_size(), world_comm.Get_rank()
     parser = build_parser()
@@ -343,10 +362,12 @@ def main(argv=None) -> int:
     run = Path(world_comm.bcast(None if run is None else str(run), root=0))
 
     from data import GlobalBatchSampler, load_dataset
+    from mgrit.faults import phase
     t_load = time.perf_counter()
-    train, test = load_dataset(a.dataset, root=a.data_root, seed=a.seed,
-                               test_fraction=a.test_fraction, normalize=True,
-                               flatten=False)
+    with phase("data loading"):
+        train, test = load_dataset(a.dataset, root=a.data_root, seed=a.seed,
+                                   test_fraction=a.test_fraction, normalize=True,
+                                   flatten=False)
     xtr, ytr = np.asarray(train.x), np.asarray(train.y)
     xte, yte = np.asarray(test.x), np.asarray(test.y)
     if a.limit_train:
@@ -426,6 +447,8 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         is_last = net.is_last
         share = net.from_last
         config["warm_start_effective"] = resnet.warm_start
+        from mgrit.faults import instrument_resnet
+        instrument_resnet(resnet)
     else:
         net = nn.Sequential(opening, *serial_resnet(make, a.layers, T=a.T, seed=a.seed), closing)
         is_last = True
@@ -440,6 +463,37 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
     else:
         opt = torch.optim.Adam(params, lr=a.lr)
     loss_fn = nn.functional.cross_entropy
+    from mgrit.faults import phase
+    guard = None
+    if mg and a.guard != "off":
+        from mgrit.guard import ConvergenceGuard
+        guard = ConvergenceGuard(window=3, threshold=1.0, action=a.guard,
+                                 log_path=str(run / "guard.jsonl"))
+    ckpt = None
+    if mg and a.checkpoint_every:
+        name = "checkpoint.pt" if grid.data_size == 1 else f"checkpoint-dp{grid.data_rank}.pt"
+        ckpt = str(run / name)  # replicas keep their own RNG states
+
+    def save(epoch, batch, tot, hist):
+        from mgrit.checkpoint import save_checkpoint
+        extra = {"epoch": epoch, "batch": batch, "tot": list(map(float, tot)), "hist": hist,
+                 "sampler_seed": a.seed, "guard": guard.state_dict() if guard else None}
+        with phase("checkpoint"):
+            save_checkpoint(ckpt, net.resnet, opt, extra, grid.layer_comm,
+                            opening=net.opening, closing=net.closing)
+
+    start_epoch, start_batch, start_tot, resumed_hist = 0, 0, np.zeros(3), None
+    if mg and a.resume:
+        from mgrit.checkpoint import load_checkpoint
+        with phase("checkpoint"):
+            extra = load_checkpoint(a.resume, net.resnet, opt, grid.layer_comm,
+                                    opening=net.opening, closing=net.closing)
+        start_epoch, start_batch = int(extra["epoch"]), int(extra["batch"])
+        start_tot, resumed_hist = np.asarray(extra["tot"]), extra["hist"]
+        if guard is not None and extra.get("guard"):
+            guard.load_state_dict(extra["guard"])
+        say(f"[train] resumed {a.resume} at epoch {start_epoch + 1}, batch {start_batch}"
+            + (f" ({'; '.join(extra['_notes'])})" if extra.get("_notes") else ""))
 
     def evaluate():
         """Test accuracy and loss: replicas split the test set, forward only."""
@@ -460,16 +514,17 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
     keys = ("epoch", "loss", "train_acc", "test_acc", "test_loss", "epoch_time", "eval_time",
             "fwd_iters", "fwd_residual", "bwd_iters", "bwd_residual", "fwd_residual_mean",
             "bwd_residual_mean")
-    hist = {k: [] for k in keys}
+    hist = resumed_hist if resumed_hist is not None else {k: [] for k in keys}
     progress = rank0 and not a.no_progress
     nb = len(list(_sampler_batches(a, grid, len(ytr), 0)))
     acc0, loss0 = evaluate()
     say(f"[train] {config['parameters']} parameters; initial test_acc {acc0:.4f} "
         f"test_loss {loss0:.4f}")
     stats_line = ""
-    for epoch in range(a.epochs):
+    step = 0
+    for epoch in range(start_epoch, a.epochs):
         net.train()
-        tot = np.zeros(3)  # loss sum, correct, count (this replica)
+        tot = start_tot.copy() if epoch == start_epoch else np.zeros(3)  # loss, correct, count
         fres, bres, fits, bits = [], [], 0, 0
         bar = None
         if progress:
@@ -477,16 +532,25 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
             bar = tqdm(total=nb, desc=f"epoch {epoch + 1}/{a.epochs}", file=sys.stdout,
                        dynamic_ncols=True, leave=False)
         t0 = time.perf_counter()
-        for idx, glen in _sampler_batches(a, grid, len(ytr), epoch):
-            j = torch.as_tensor(idx)
-            x, y = xtr[j], ytr[j]
+        for b, (idx, glen) in enumerate(_sampler_batches(a, grid, len(ytr), epoch)):
+            if epoch == start_epoch and b < start_batch:
+                if bar is not None:
+                    bar.update(1)
+                continue  # done before the checkpoint we resumed from
+            with phase("data loading"):
+                j = torch.as_tensor(idx)
+                x, y = xtr[j], ytr[j]
             opt.zero_grad(set_to_none=True)
             out = net(x)
             loss = net.loss(out, y) if mg else loss_fn(out, y)
             loss.backward()
+            if guard is not None:
+                guard.check_resnet(net.resnet, step)
             if grid.data_size > 1:
-                average_gradients(params, grid.data_comm, weight=len(idx) / glen)
+                with phase("gradient averaging"):
+                    average_gradients(params, grid.data_comm, weight=len(idx) / glen)
             opt.step()
+            step += 1
             if is_last:
                 with torch.no_grad():
                     batch = [loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)]
@@ -501,6 +565,8 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
                     fres.append(rf.residuals[-1])
                 if rb is not None and rb.residuals:
                     bres.append(rb.residuals[-1])
+            if ckpt is not None and step % a.checkpoint_every == 0:
+                save(epoch, b + 1, tot, hist)
             if bar is not None:
                 post = {"loss": f"{batch[0] / batch[2]:.3f}"}
                 if fres:
@@ -537,8 +603,12 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         say(line)
         if rank0:
             write_metrics(run, hist, config)
+        if ckpt is not None:
+            save(epoch + 1, 0, np.zeros(3), hist)
     if mg:
         say(f"[train] forward solver counters (rank 0, all solves): {stats_line}")
+    if guard is not None and guard.events:
+        say(f"[train] convergence guard acted {len(guard.events)} time(s); see {run / 'guard.jsonl'}")
     final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
     final["initial_test_acc"] = acc0
     extra = {"forward_stats": stats_line} if mg else {}

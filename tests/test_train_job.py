@@ -117,3 +117,37 @@ def test_bad_flags_fail_clearly(args, world, message, capsys):
         mod.validate(parser, parser.parse_args(args), world)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_killed_job_resumes_to_the_uninterrupted_result(tmp_path):
+    """--method mgrit, float64, 2 ranks: a job that fails on rank 1 mid-epoch (injected fault in
+    its 13th 'data loading' phase, after the checkpoint of step 10) and is resumed from that
+    checkpoint on 2 and on 3 ranks ends with the metrics of the uninterrupted job."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    flags = ["--dataset", "digits", "--layers", "6", "--width", "8", "--epochs", "2",
+             "--limit-train", "700", "--limit-test", "100", "--batch-size", "50",
+             "--dtype", "float64", "--levels", "2", "--cfactor", "2", "--no-progress"]
+
+    def run(name, ranks, extra, fault=None):
+        e = dict(env)
+        if fault:
+            e["LAYERPAR_INJECT_FAULT"] = fault
+        return subprocess.run(_cmd(ranks, flags + extra + ["--out", str(tmp_path / name)]),
+                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=TIMEOUT)
+
+    full = run("full", 2, [])
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = run("killed", 2, ["--checkpoint-every", "5"], fault="1:data loading:13")
+    assert killed.returncode != 0 and "rank 1" in killed.stderr, killed.stderr[-2000:]
+    ckpt = tmp_path / "killed" / "checkpoint.pt"
+    assert ckpt.exists()
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())["final"]
+    for ranks in (2, 3):
+        res = run(f"resumed{ranks}", ranks, ["--resume", str(ckpt)])
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "resumed" in res.stdout and "epoch 1, batch 10" in res.stdout, res.stdout[-2000:]
+        got = json.loads((tmp_path / f"resumed{ranks}" / "summary.json").read_text())["final"]
+        for k in ("loss", "train_acc", "test_acc", "test_loss"):
+            tol = 0.0 if ranks == 2 else 1e-10  # bitwise on the same P
+            assert abs(got[k] - want[k]) <= tol * max(1.0, abs(want[k])), (ranks, k, got, want)
