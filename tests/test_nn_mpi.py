@@ -51,6 +51,7 @@ for k in (2, 3):
     BATCH.add(k, "warm_start", f"{C}:check_warm_start", kind="dense", act="tanh", n=13,
               levels=2, cfactor=2)
     BATCH.add(k, "construction_errors", f"{C}:check_construction_errors")
+    BATCH.add(k, "warm_start_adjoint", f"{C}:check_warm_start_adjoint")
 for k, adj in [(2, "mgrit"), (3, "serial")]:
     BATCH.add(k, f"finite_difference-{adj}", f"{C}:check_finite_difference", kind="dense",
               act="tanh", n=13, levels=2, cfactor=4, adjoint=adj)

@@ -80,8 +80,12 @@ class LayerParallelResNet(nn.Module):
             For inexact training use ``tol=0`` with ``max_iter`` 2 (forward) / 1 (backward).
         adjoint: ``"mgrit"`` (default) or ``"serial"`` (Kirby et al. 2020: serial sweep
             across ranks, exact adjoint of the MGRIT-approximate forward states).
-        warm_start: start each forward solve from the previous one's states (same batch
-            shape). Default ``None``: on when ``forward.tol == forward.rtol == 0``.
+        warm_start: start each forward solve from the previous training forward's states (same
+            batch shape). Default ``None``: on when ``forward.tol == forward.rtol == 0``.
+            Forwards under ``torch.no_grad()`` (evaluation) use but never replace them.
+        warm_start_adjoint: start each adjoint solve from the previous one's adjoints
+            (Guenther et al.'s simultaneous training warm-starts both directions; default
+            False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
 
     Attributes:
@@ -93,7 +97,8 @@ class LayerParallelResNet(nn.Module):
     def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape, T: float = 1.0,
                  comm: MPI.Comm | None = None, forward: MGRITOptions | None = None,
                  backward: MGRITOptions | None = None, adjoint: str = "mgrit",
-                 warm_start: bool | None = None, partition: Partition | None = None):
+                 warm_start: bool | None = None, partition: Partition | None = None,
+                 warm_start_adjoint: bool = False):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -149,7 +154,8 @@ class LayerParallelResNet(nn.Module):
                               partition=self.partition, **kw)
         self._bsolver = MGRIT(self._chain, n_layers, options=self.bwd_opts,
                               partition=self.partition.reversed(), **kw)
-        self._warm = None
+        self.warm_start_adjoint = bool(warm_start_adjoint)
+        self._warm = self._warm_adj = None
         self._states = None
         self.last_forward = self.last_backward = None
 
@@ -212,8 +218,12 @@ class LayerParallelResNet(nn.Module):
         chain = AdjointChain(self._chain, self.n_layers, self._states)
         self._bsolver.propagator = chain
         lam_N = grad.detach().reshape(shape) if self.is_last else None
-        res = self._bsolver.solve(lam_N, state_shape=shape)
+        guess = self._warm_adj if (self.warm_start_adjoint and self._warm_adj is not None
+                                   and self._warm_adj.shape[1:] == shape) else None
+        res = self._bsolver.solve(lam_N, initial_guess=guess, state_shape=shape)
         self.last_backward = res
+        if self.warm_start_adjoint:
+            self._warm_adj = res.states
         N, lo = self.n_layers, res.lo
         n_local = len(self.steps)
         # lambda_{k+1} for local layers k = first..first+n_local-1 is reversed point N-k-1
@@ -231,7 +241,7 @@ class LayerParallelResNet(nn.Module):
             self.dtype, self.device = self._params[0].dtype, self._params[0].device
             for solver in (self._fsolver, self._bsolver):
                 solver.dtype, solver.device = self.dtype, self.device
-        self._warm = None
+        self._warm = self._warm_adj = None
         return self
 
     # -- utilities ----------------------------------------------------------------------

@@ -497,3 +497,24 @@ def check_sgd_training(kind, act, n, levels, cfactor, steps=3, tol=1e-10):
     moved = max(_rel(p, q) for p, q in zip(ser.parameters(), fresh.parameters()))
     assert moved > 1e-3, "SGD did not move the parameters"
     return _global_max(worst)
+
+
+def check_warm_start_adjoint(n=32):
+    """warm_start_adjoint=True: repeated backward solves on the same batch start from the previous
+    adjoints, so the (1-cycle) adjoint residual falls; off, it stays at the cold level."""
+    torch.set_default_dtype(DT)
+    o = MGRITOptions(max_levels=2, cfactor=4, tol=0.0, max_iter=1)
+    x = _rand(3, WIDTH, seed=5)
+    out = {}
+    for wa in (False, True):
+        m = LayerParallelResNet.build(lambda k: DenseStep(WIDTH, "tanh"), n, (WIDTH,), comm=COMM,
+                                      forward=o, backward=o, warm_start_adjoint=wa, T=4.0, seed=3)
+        r = []
+        for _ in range(3):
+            y = m(x if m.is_first else None, batch_size=3)
+            (y.square().sum() if m.is_last else y.sum()).backward()
+            r.append(m.last_backward.residuals[-1])
+        out[wa] = r
+    assert out[True][0] == out[False][0], out
+    assert out[True][-1] < 0.5 * out[False][-1], out
+    return out
