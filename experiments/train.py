@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=None,
                    help="start each forward solve from the previous batch's states "
                         "(default: on in inexact mode, off with --tol > 0)")
+    g.add_argument("--warm-start-adjoint", action="store_true",
+                   help="also start each adjoint solve from the previous batch's adjoints "
+                        "(Guenther et al. 2020)")
     g.add_argument("--adjoint", choices=("mgrit", "serial"), default="mgrit",
                    help="backward solve: adjoint MGRIT, or a serial sweep across ranks")
     g.add_argument("--skip-first-relaxation", action="store_true",
@@ -442,7 +445,8 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         fwd, bwd = mgrit_options(a)
         resnet = LayerParallelResNet.build(make, a.layers, state_shape, comm=grid.layer_comm,
                                            seed=a.seed, T=a.T, forward=fwd, backward=bwd,
-                                           adjoint=a.adjoint, warm_start=a.warm_start)
+                                           adjoint=a.adjoint, warm_start=a.warm_start,
+                                           warm_start_adjoint=a.warm_start_adjoint)
         net = LayerParallelNet(opening, resnet, closing)
         is_last = net.is_last
         share = net.from_last
