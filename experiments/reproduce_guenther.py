@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -369,7 +368,7 @@ def main(argv=None):
     else:
         model_P = sorted({P} | {q for q in (N // 4, N // 2) if q >= P})
     model_P = [q for q in model_P if 1 <= q <= N]
-    series, rows, curves = {}, [], {}
+    series, rows = {}, []
     summary = {}
     for method in methods:
         prob = Problem(args, comm, method)

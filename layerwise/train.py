@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-import numpy as np
-import torch
 from torch import nn
 
 from .common import (OPTIMIZERS, as_tensor, check_float, check_int, global_batches, module_dtype,
