@@ -109,7 +109,10 @@ def _atomic_write(items) -> list:
             os.close(fd)
             temps.append(Path(tmp))
             _write_file(Path(tmp), split, extra)
+        umask = os.umask(0)
+        os.umask(umask)
         for tmp, (_, final, _) in zip(temps, items):
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a cache is meant to be shared
             os.replace(tmp, final)
     except BaseException:
         for tmp in temps:

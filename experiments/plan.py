@@ -65,21 +65,37 @@ def calibrate(width: int, batch: int, n: int = 256, act: str = "tanh") -> perf.T
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="MGRIT planner (mgrit.perf cost model)")
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--width", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--ranks", type=int, required=True)
-    ap.add_argument("--act", default="tanh")
-    ap.add_argument("--kf", type=int, default=2, help="forward MGRIT iterations (default 2)")
-    ap.add_argument("--kb", type=int, default=1, help="adjoint MGRIT iterations (default 1)")
-    ap.add_argument("--relax", default="F")
-    ap.add_argument("--latency", type=float, default=10e-6)
-    ap.add_argument("--bandwidth", type=float, default=10e9)
-    ap.add_argument("--calib-layers", type=int, default=256)
+    ap = argparse.ArgumentParser(description="MGRIT planner (mgrit.perf cost model): calibrates "
+                                 "step costs on this machine, recommends m, L and iterations, and "
+                                 "prints predicted scaling up to P = 1024",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--layers", type=int, required=True, help="N, residual layers")
+    ap.add_argument("--width", type=int, default=8, help="state width of the dense steps")
+    ap.add_argument("--batch", type=int, default=64, help="mini-batch size")
+    ap.add_argument("--ranks", type=int, required=True, help="P, layer-parallel ranks to plan for")
+    ap.add_argument("--act", default="tanh", choices=("tanh", "relu", "smoothrelu"),
+                    help="activation of the steps")
+    ap.add_argument("--kf", type=int, default=2, help="forward MGRIT iterations")
+    ap.add_argument("--kb", type=int, default=1, help="adjoint MGRIT iterations")
+    ap.add_argument("--relax", default="F", help="relaxation: F, FCF, FCFCF, ...")
+    ap.add_argument("--latency", type=float, default=10e-6, help="message latency [s]")
+    ap.add_argument("--bandwidth", type=float, default=10e9, help="message bandwidth [bytes/s]")
+    ap.add_argument("--calib-layers", type=int, default=256,
+                    help="layers of the network used to calibrate step costs")
     a = ap.parse_args(argv)
-    if a.layers < a.ranks or a.ranks < 1:
+    if a.ranks < 1 or a.layers < a.ranks:
         ap.error(f"--layers {a.layers} must be >= --ranks {a.ranks} >= 1")
+    for name in ("width", "batch", "kf", "kb", "calib_layers"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} is not allowed: use an int >= 1")
+    if not (a.latency >= 0 and a.bandwidth > 0):
+        ap.error(f"--latency={a.latency} / --bandwidth={a.bandwidth} are not allowed: use "
+                 f"latency >= 0 and bandwidth > 0")
+    from mgrit.options import relaxation_sweeps
+    try:
+        relaxation_sweeps(a.relax)
+    except ValueError as e:
+        ap.error(f"--relax: {e}")
     costs = calibrate(a.width, a.batch, a.calib_layers, a.act)
     comm = perf.CommCost(a.latency, a.bandwidth)
     kw = dict(K_f=a.kf, K_b=a.kb, relax=a.relax)

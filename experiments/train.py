@@ -266,6 +266,9 @@ def main(argv=None) -> int:
     if rank0:
         run = Path(a.out) if a.out else default_out(a.method)
         run.mkdir(parents=True, exist_ok=True)
+        (run / "config.json").write_text(json.dumps(
+            {"argv": sys.argv, "world_size": world,
+             **{k: v for k, v in vars(a).items() if k != "relax_list"}}, indent=2, default=str))
     run = Path(world_comm.bcast(None if run is None else str(run), root=0))
 
     from data import load_dataset

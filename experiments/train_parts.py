@@ -107,6 +107,9 @@ def write_curves(run: Path, hist: dict, title: str) -> None:
     if any(x is not None for x in hist["test_acc"]):
         ax2.plot(ep, [np.nan if x is None else x for x in hist["test_acc"]], "s-", label="test")
     ax2.set_xlabel("epoch"); ax2.set_ylabel("accuracy"); ax2.legend(); ax2.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(run / "curves.png", dpi=100)
@@ -151,6 +154,12 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         config["warm_start_effective"] = resnet.warm_start
         from mgrit.faults import instrument_resnet
         instrument_resnet(resnet)
+        for name, solver in (("forward", resnet._fsolver), ("adjoint", resnet._bsolver)):
+            lv = solver.hierarchy.levels
+            say(f"[train] MGRIT {name}: {len(lv)} level(s), intervals per level "
+                f"{[x.n_intervals for x in lv]}, relax {solver.options.relax}, "
+                + (f"tol {solver.options.tol:g} (exact mode, <= {solver.options.max_iter} cycles)"
+                   if solver.options.tol > 0 else f"{solver.options.max_iter} cycle(s) (inexact)"))
     else:
         net = nn.Sequential(opening, *serial_resnet(make, a.layers, T=a.T, seed=a.seed), closing)
         is_last = True
@@ -228,6 +237,7 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         net.train()
         tot = start_tot.copy() if epoch == start_epoch else np.zeros(3)  # loss, correct, count
         fres, bres, fits, bits = [], [], 0, 0
+        unconverged = 0  # exact mode: solves that hit the cycle cap before the tolerance
         bar = None
         if progress:
             from tqdm import tqdm
@@ -263,6 +273,8 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
             if mg:
                 rf, rb = net.resnet.last_forward, net.resnet.last_backward
                 fits, bits = rf.iterations, (rb.iterations if rb is not None else 0)
+                if a.tol > 0:
+                    unconverged += (not rf.converged) + (rb is not None and not rb.converged)
                 if rf.residuals:
                     fres.append(rf.residuals[-1])
                 if rb is not None and rb.residuals:
@@ -302,6 +314,9 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
             br = "-" if not bres else f"{bres[-1]:.2e} (mean {np.mean(bres):.2e})"
             line += f" | MGRIT fwd {fits} it res {fr}; bwd {bits} it res {br}"
             stats_line = net.resnet._fsolver.stats.summary()
+            if unconverged:
+                line += (f"\n[train] WARNING: {unconverged} MGRIT solve(s) this epoch stopped at the "
+                         f"cycle cap before --tol {a.tol:g}: gradients are not exact")
         say(line)
         if rank0:
             write_metrics(run, hist, config)

@@ -110,15 +110,22 @@ class PostedRecv:
         return t.to(ex.device) if ex.device.type != "cpu" else t
 
 
-def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = None) -> None:
+def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = None,
+                 same=None, what: str = "value") -> None:
     """Validation consensus: raise the same ``ValueError`` on every rank of ``comm`` if any
-    rank found an ``error`` (a message, or ``None``). For checks that depend on rank-local data
-    (the user's tensors or modules on one rank): one small ``allgather``, skipped on one rank,
-    so no rank goes on to communicate while another has failed."""
+    rank found an ``error`` (a message, or ``None``), or if ``same`` (e.g. the state shape)
+    differs between ranks. For checks that depend on rank-local data (the user's tensors or
+    modules on one rank): one small ``allgather``, skipped on one rank, so no rank goes on to
+    communicate while another has failed."""
     if comm.Get_size() > 1:
         if stats is not None:
             stats.allreduces += 1
-        errs = [f"rank {r}: {e}" for r, e in enumerate(comm.allgather(error)) if e]
+        gathered = comm.allgather((error, same))
+        errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+        vals = [v for _, v in gathered]
+        if any(v != vals[0] for v in vals):
+            errs.append(f"ranks disagree on the {what}: "
+                        + ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals)))
         if errs:
             raise ValueError("; ".join(errs))
     elif error:

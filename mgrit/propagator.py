@@ -33,7 +33,10 @@ class Propagator(ABC):
     concurrent relaxation: all intervals of a level owned by a rank are independent, so their
     ``k``-th steps are applied at once. The default :meth:`step_batch` loops over :meth:`step`.
 
-    Contract (checked by :func:`mgrit.selfcheck.check_propagator`):
+    A propagator may define ``n_intervals`` (its number of fine intervals ``N``); the solver
+    then checks it against its own ``n_intervals``.
+
+    Contract:
 
     * ``step`` must not modify its input in place and must return a new tensor of the same
       shape, dtype and device as ``u``;

@@ -25,6 +25,7 @@ Public surface: :class:`MGRIT`, :class:`MGRITResult`; options in :mod:`mgrit.opt
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,6 +108,10 @@ class MGRIT:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype={dtype!r} is not allowed: use a floating torch dtype "
                              f"(torch.float64 or torch.float32)")
+        n_prop = getattr(propagator, "n_intervals", None)
+        if isinstance(n_prop, int) and n_prop != n_intervals:
+            raise ValueError(f"the propagator is defined on {n_prop} intervals but "
+                             f"n_intervals={n_intervals}: they must agree")
         options = MGRITOptions() if options is None else options
         if not isinstance(options, MGRITOptions):
             raise ValueError(f"options must be MGRITOptions, got {type(options).__name__}")
@@ -126,6 +131,11 @@ class MGRIT:
         self.hierarchy = Hierarchy(partition, self.rank, options.cfactor, options.max_levels,
                                    options.min_coarse)
         self.root = partition.owner(0)
+        if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0:
+            warnings.warn(f"MGRIT with N={n_intervals}, cfactor={options.cfactor}, min_coarse="
+                          f"{options.min_coarse} has a single level: it reduces to sequential "
+                          f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",
+                          stacklevel=2)
         self.stats = SolverStats()  # accumulated over all solves
 
     # -- validation ----------------------------------------------------------------------
@@ -181,7 +191,8 @@ class MGRIT:
         shape = self.state_shape if state_shape is None else torch.Size(state_shape)
         opts, levels = self.options, self.hierarchy.levels
         stats = SolverStats()
-        raise_agreed(self.comm, self._local_error(u0, initial_guess, shape), stats)
+        raise_agreed(self.comm, self._local_error(u0, initial_guess, shape), stats,
+                     same=tuple(shape), what="state shape (e.g. a different batch size per rank)")
         ex = Exchanger(self.comm, shape, self.dtype, self.device, stats)
         ops = LevelOps(self.propagator, ex, stats, opts.batched, float(opts.c_weight))
         self._ops, self._stats = ops, stats

@@ -33,7 +33,8 @@ for k in (2, 3):
 for k in (2, 4):
     BATCH.add(k, "float64_chain", f"{C}:check_float64_across_ranks")
 for case in ["n_lt_p", "cfactor_lt_2", "levels_lt_1", "negative_tol", "wrong_shape",
-             "wrong_dtype", "nan_u0", "bad_guess", "bad_relax", "bad_cycle"]:
+             "wrong_dtype", "nan_u0", "bad_guess", "bad_relax", "bad_cycle", "propagator_length",
+             "shape_per_rank"]:
     BATCH.add(3, f"bad_input-{case}", f"{C}:check_bad_input", case=case)
 
 

@@ -4,6 +4,7 @@ from mpi4py import MPI
 
 from mgrit.comm import Exchanger
 from mgrit.options import MGRITOptions
+from mgrit.problems import Dahlquist
 from mgrit.solver import MGRIT
 from mgrit.stats import SolverStats
 from tests.chains import BatchedTanhChain, TanhChain, sequential
@@ -131,6 +132,11 @@ def check_bad_input(case):
                       "initial_guess"),
         "bad_relax": (lambda: MGRITOptions(relax="FC"), "relaxation 'FC'"),
         "bad_cycle": (lambda: MGRITOptions(cycle="W"), "cycle='W'"),
+        "propagator_length": (lambda: MGRIT(Dahlquist(n_intervals=100), 50, (), comm=COMM),
+                              "defined on 100 intervals but n_intervals=50"),
+        "shape_per_rank": (lambda: _solver(prop, n, MGRITOptions()).solve(
+            _u0(batch=2 + (COMM.rank == 1)), state_shape=(2 + (COMM.rank == 1), 3)),
+            r"ranks disagree on the state shape"),
     }
     import re
     make, pattern = cases[case]
