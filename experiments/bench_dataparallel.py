@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
 
 
 def mlp():
@@ -167,10 +168,8 @@ def main() -> None:
     r1 = launch(1, args)
     r2 = launch(2, args)
     ratio = r2["samples_per_s"] / r1["samples_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "mgrit", "experiments/bench_dataparallel.py"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    import reporting
+    commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + \
         ("" if (args.steps, args.global_batch) == (10, 512) else
          f" --steps {args.steps} --global-batch {args.global_batch}")
@@ -178,7 +177,7 @@ def main() -> None:
         "# Data-parallel throughput and bucketed gradient averaging",
         "",
         f"- command: `{cmd}`",
-        f"- commit: `{commit}`" + (" (with uncommitted changes in mgrit/ or this script)" if dirty else ""),
+        f"- commit: `{commit}`",
         f"- machine: {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {platform.system()} {platform.release()}; "
         f"torch {r1['torch']}, {r1['mpi']}",

@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
 from mgrit import perf  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.nn.chains import AdjointChain  # noqa: E402
@@ -326,10 +327,10 @@ def main():
     load1 = os.getloadavg()
     L = []
     cmd = " ".join([Path(sys.executable).name, *sys.argv])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    import reporting
+    commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     L += ["# Layer-parallel benchmarks (`experiments/bench_layerparallel.py`)", "",
-          f"- command: `{cmd}`", f"- git commit: {commit} (+ uncommitted working tree)",
+          f"- command: `{cmd}`", f"- git commit: {commit}",
           f"- machine: {platform.node()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores (shared), torch {torch.__version__}, 1 thread per process",
           f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",

@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
 
 
 def cases(nt: int) -> dict:
@@ -121,14 +122,8 @@ def launch(nprocs: int, args) -> dict:
 
 
 def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
-        return head + (" (plus uncommitted changes)" if dirty else "")
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "uncommitted (no commit yet)"
+    import reporting
+    return reporting.run_metadata()["commit"]
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,17 +67,10 @@ def mgrit_options(a):
 
 
 # ----------------------------------------------------------------------------- output
-def git_commit() -> str | None:
-    try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=10)
-        if r.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return r.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
+def git_commit() -> str:
+    """Commit of the code that ran (``+dirty`` for uncommitted changes), via :mod:`reporting`."""
+    import reporting
+    return reporting.run_metadata()["commit"]
 
 
 def write_metrics(run: Path, hist: dict, config: dict) -> None:
