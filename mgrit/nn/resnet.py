@@ -197,6 +197,8 @@ class LayerParallelResNet(nn.Module):
             batch, x0 = int(batch_size), torch.zeros(0, dtype=self.dtype, device=self.device)
         self._batch = batch
         self._update_warm = torch.is_grad_enabled()  # evaluation keeps the training warm start
+        if not self._update_warm:  # no graph to build: skip the autograd bridge's overhead
+            return self._forward_solve(x0)
         return _MGRITFunction.apply(self, x0, *self._params)
 
     def _forward_solve(self, x0):
