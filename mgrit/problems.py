@@ -118,6 +118,7 @@ class Dahlquist(_TimeGrid, Propagator):
                              f"or a 1-D tensor of length dim={dim}")
         self.method, self.dim = method, dim
         self.lam = float(lam_t) if lam_t.ndim == 0 else lam_t  # float or (dim,) float64
+        self._factors: dict = {}  # (start, stop) -> amplification factor
 
     @property
     def state_shape(self) -> tuple:
@@ -143,10 +144,13 @@ class Dahlquist(_TimeGrid, Propagator):
         return torch.exp(self.lam * s).to(dtype=dtype, device=device)
 
     def step(self, u: torch.Tensor, start: int, stop: int, level: int = 0) -> torch.Tensor:
-        z = self.dt(start, stop) * self.lam
-        if isinstance(z, float):
-            return self._factor(z) * u
-        return self._factor(z).to(dtype=u.dtype, device=u.device) * u
+        f = self._factors.get((start, stop))
+        if f is None:  # amplification factor of the interval, computed once (checked there)
+            f = self._factor(self.dt(start, stop) * self.lam)
+            self._factors[(start, stop)] = f
+        if isinstance(f, float):
+            return f * u
+        return f.to(dtype=u.dtype, device=u.device) * u
 
     def step_batch(self, u: torch.Tensor, starts: Sequence[int], stops: Sequence[int],
                    level: int = 0) -> torch.Tensor:
