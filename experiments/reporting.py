@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = ["run_metadata", "results_dir", "save_series", "markdown_table", "write_table",
-           "plot_lines"]
+           "plot_lines", "add_study_flags"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -53,6 +53,16 @@ def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict
                        f"{platform.python_implementation()} {platform.python_version()}",
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "loadavg": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "world_size": world_size}
+
+
+def add_study_flags(parser, full_help: str, smoke_help: str = "tiny settings for the test suite"):
+    """The flags every study shares: ``--full`` (paper scale), ``--smoke`` (seconds, for the
+    test suite) and ``--out`` (results base folder)."""
+    parser.add_argument("--full", action="store_true", help=full_help)
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--out", default=None,
+                        help="results base folder (default experiments/results)")
+    return parser
 
 
 def results_dir(study: str, base: str | os.PathLike | None = None) -> Path:

@@ -78,10 +78,9 @@ def parse_args(argv=None):
                    help="comma list of rank counts P for the modeled time "
                         "(default: this run's P and N/4, N/2 where >= P)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--full", action="store_true",
-                   help="paper scale: 130 L-BFGS iterations; outputs go to <study>/full/")
-    p.add_argument("--smoke", action="store_true", help="tiny: 3 iterations, 500 points")
-    p.add_argument("--out", default=None, help="results base folder (default experiments/results)")
+    reporting.add_study_flags(
+        p, "paper scale: 130 L-BFGS iterations; outputs go to <study>/full/",
+        "tiny: 3 iterations, 500 points")
     a = p.parse_args(argv)
     if a.iters is None:
         a.iters = 3 if a.smoke else (130 if a.full else 40)
@@ -94,6 +93,9 @@ def parse_args(argv=None):
     return a
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import reporting  # noqa: E402  (light: stdlib + numpy)
+
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
     parse_args()
@@ -104,8 +106,6 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import reporting  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, SmoothReLU  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 

@@ -53,10 +53,8 @@ PUBLISHED = {"speedup_same_gpus": 10.2, "N": 4096, "m": 64, "iterations": 2}
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true",
-                   help="paper scale: 20 channels 7x7, N = 256..4096, 257-layer accuracy run")
-    p.add_argument("--smoke", action="store_true", help="tiny settings for the test suite")
-    p.add_argument("--out", default=None, help="results base folder (default experiments/results)")
+    reporting.add_study_flags(
+        p, "paper scale: 20 channels 7x7, N = 256..4096, 257-layer accuracy run")
     p.add_argument("--channels", type=int, default=4, help="(paper: 20)")
     p.add_argument("--kernel", type=int, default=3, help="(paper: 7)")
     p.add_argument("--h", type=float, default=1e-3, help="step size (paper: 1e-3)")

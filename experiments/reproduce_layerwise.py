@@ -56,9 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--full", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny: digits 3x16, 1 seed, 1 epoch")
-    p.add_argument("--out", default=None, help="results base folder (default experiments/results)")
+    reporting.add_study_flags(p, "5 seeds, 30 epochs", "tiny: digits 3x16, 1 seed, 1 epoch")
     a = p.parse_args(argv)
     if a.seeds is None:
         a.seeds = 1 if a.smoke else (5 if a.full else 2)
@@ -73,6 +71,9 @@ def parse_args(argv=None):
     return a
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import reporting  # noqa: E402  (light: stdlib + numpy)
+
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
     parse_args()
@@ -83,8 +84,6 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import reporting  # noqa: E402
 
 
 def load(task, seed=0):

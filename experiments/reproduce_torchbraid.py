@@ -48,10 +48,8 @@ STUDY = "torchbraid_mnist"
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true",
-                   help="paper scale: full MNIST (--dataset mnist --root DIR) or mnist5k, 4 epochs")
-    p.add_argument("--smoke", action="store_true", help="tiny settings for the test suite")
-    p.add_argument("--out", default=None, help="results base folder (default experiments/results)")
+    reporting.add_study_flags(
+        p, "paper scale: full MNIST (--dataset mnist --root DIR) or mnist5k, 4 epochs")
     p.add_argument("--dataset", default="mnist5k", help="mnist5k (bundled) or mnist (needs --root)")
     p.add_argument("--root", default=None)
     p.add_argument("--epochs", type=int, default=1)

@@ -51,9 +51,8 @@ STUDY = "convergence"
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true", help="paper-scale sweeps (N up to 4096)")
-    p.add_argument("--smoke", action="store_true", help="tiny sweeps for the test suite (seconds)")
-    p.add_argument("--out", default=None, help="results base folder (default experiments/results)")
+    reporting.add_study_flags(p, "paper-scale sweeps (N up to 4096)",
+                              "tiny sweeps for the test suite (seconds)")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--batch", type=int, default=16, help="inputs per solve")
     p.add_argument("--scale", type=float, default=3.0, help="random weight scale (std*sqrt(width))")

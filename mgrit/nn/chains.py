@@ -122,8 +122,8 @@ class ForwardChain(Propagator):
             self._stack.refresh()
         try:
             out = self._stack.apply(self._stack.take(self._rows(starts, u.device)), u)
-        except Exception:
-            if self._stack._native:
+        except Exception:  # nothing is swallowed: a native kernel re-raises; a genuine error
+            if self._stack._native:  # in a user module re-raises from the loop below
                 raise
             self._stack = None  # a module vmap cannot batch: remember and loop from now on
             return super().step_batch(u, starts, stops, level)
