@@ -91,10 +91,11 @@ def worker(force_cpu: bool) -> int:
     import torch
     from mpi4py import MPI
 
-    from mgrit.comm import abort_on_exception, cuda_aware
+    from mgrit.comm import cuda_aware
+    from mgrit.faults import fail_fast
     from mgrit.procgrid import ProcessGrid
 
-    abort_on_exception()
+    fail_fast(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
         raise SystemExit("gpu_check worker needs exactly 2 ranks")

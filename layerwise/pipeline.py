@@ -18,7 +18,7 @@ Asynchronous variant: every stage but the first samples its input from a bounded
 
 Every configuration check happens in ``__init__`` before any message and is a pure function
 of the arguments, so bad configurations raise the same ``ValueError`` on every rank. Launch
-with ``python -m mpi4py`` (or call :func:`mgrit.comm.abort_on_exception`) so an exception on
+with ``python -m mpi4py`` (or call :func:`mgrit.faults.fail_fast`) so an exception on
 one rank aborts the job instead of leaving the neighbours blocked in a receive.
 """
 from __future__ import annotations

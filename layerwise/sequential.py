@@ -139,13 +139,14 @@ class SequentialTrainer:
         self.network.load_state_dict(state)
 
     # ------------------------------------------------------------------ helpers
-    def _cache_forward(self, layer: nn.Module, feats: torch.Tensor) -> torch.Tensor:
-        training = layer.training
-        layer.eval()
+    def _cache_forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` in eval mode without a graph, ``cache_batch_size`` rows at a time."""
+        training = module.training
+        module.eval()
         with torch.no_grad():
-            out = torch.cat([layer(feats[i:i + self.cache_batch_size])
-                             for i in range(0, len(feats), self.cache_batch_size)])
-        layer.train(training)
+            out = torch.cat([module(x[i:i + self.cache_batch_size])
+                             for i in range(0, len(x), self.cache_batch_size)])
+        module.train(training)
         return out
 
     def _train_epoch(self, modules: Sequence[nn.Module], opt: torch.optim.Optimizer,
@@ -239,11 +240,5 @@ class SequentialTrainer:
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """``{"loss", "acc"}`` of the combined network on ``x, y`` (recomputes all layers)."""
-        net = self.network
-        training = net.training
-        net.eval()
-        with torch.no_grad():
-            logits = torch.cat([net(x[i:i + self.cache_batch_size])
-                                for i in range(0, len(x), self.cache_batch_size)])
-        net.train(training)
+        logits = self._cache_forward(self.network, x)
         return {"loss": float(F.cross_entropy(logits, y)), "acc": accuracy(logits, y)}

@@ -14,7 +14,6 @@ Only the communicator handed in is ever used (never ``COMM_WORLD``: PyMGRIT issu
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ from mpi4py import MPI
 
 from .stats import SolverStats
 
-__all__ = ["Exchanger", "cuda_aware", "abort_on_exception", "raise_agreed"]
+__all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
 
 
 def cuda_aware() -> bool:
@@ -130,21 +129,3 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
             raise ValueError("; ".join(errs))
     elif error:
         raise ValueError(error)
-
-
-def abort_on_exception(comm: MPI.Comm | None = None) -> None:
-    """Install a ``sys.excepthook`` that prints the traceback with the rank and calls
-    ``MPI_Abort`` so that an uncaught exception on one rank ends the whole job instead of
-    leaving the other ranks blocked in a receive. Needed when the script was not launched
-    with ``python -m mpi4py``; harmless otherwise.
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] uncaught exception; aborting all ranks\n")
-        previous(exc_type, exc, tb)
-        sys.stderr.flush()
-        comm.Abort(1)
-
-    sys.excepthook = hook

@@ -10,8 +10,7 @@ collective. Three pieces:
   traceback) and the attributes ``exc.layerpar_rank`` / ``exc.layerpar_phase`` (the innermost
   phase wins; outer phases leave a tagged exception alone). The exception keeps its type and
   message, so ``except ValueError`` still works.
-* :func:`fail_fast` -- installs ``sys.excepthook`` (and ``threading.excepthook``) on top of
-  :func:`mgrit.comm.abort_on_exception`: prints ``rank R failed in phase P: Type: message``,
+* :func:`fail_fast` -- installs ``sys.excepthook`` (and ``threading.excepthook``): prints ``rank R failed in phase P: Type: message``,
   the traceback, then ``MPI_Abort``. Works with and without ``python -m mpi4py``.
 * :func:`maybe_inject` -- called on entry of every :class:`phase`; raises
   :class:`InjectedFault` when ``$LAYERPAR_INJECT_FAULT`` selects this rank and phase.

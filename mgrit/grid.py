@@ -132,19 +132,11 @@ class Level:
     def n_local(self) -> int:
         return self.hi - self.lo
 
-    def is_c_point(self, j: int) -> bool:
-        """True when level point ``j`` is a C-point (kept on level ``l+1``)."""
-        return self.cfactor is not None and j % self.cfactor == 0
-
     def c_points(self) -> range:
         """Owned C-points (level indices), ascending."""
         m = self.cfactor
         first = -(-self.lo // m) * m
         return range(first, self.hi, m)
-
-    def fine(self, j: int) -> int:
-        """Fine index of level point ``j``."""
-        return j * self.stride
 
 
 def coarsening_factors(cfactor: int | Sequence[int], max_levels: int) -> list[int]:
