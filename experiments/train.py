@@ -25,7 +25,7 @@ Methods (``--method``):
 Data: every layer rank of a replica loads the same data set (bundled ``mnist5k``, ``digits``,
 ``peaks``; any name of ``data.available_datasets()`` with ``--data-root``), split with
 ``--seed``; every global batch (``--batch-size``) is sharded over the ``dp`` replicas by
-``data.GlobalBatchSampler``; gradients are averaged with ``mgrit.dataparallel.average_gradients``
+``data.GlobalBatchSampler``; gradients are averaged with ``mgrit.dataparallel.GradientBuckets``
 (shard-size weighted, so any dp gives the single-replica update).
 
 Threads: with more than one rank torch is set to one intra-op thread per rank

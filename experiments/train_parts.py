@@ -129,7 +129,7 @@ def _sampler_batches(a, grid, n, epoch):
 def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, run, config,
                    rank0, say):
     """``--method serial|mgrit``: ordinary training loop; returns (history, final, extra)."""
-    from mgrit.dataparallel import average_gradients
+    from mgrit.dataparallel import GradientBuckets
     from mgrit.nn import LayerParallelNet, LayerParallelResNet, serial_resnet
     opening, closing, state_shape = build_opening_closing(a, in_shape, num_classes)
     make = step_factory(a)
@@ -165,6 +165,9 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum)
     else:
         opt = torch.optim.Adam(params, lr=a.lr)
+    # data-parallel: the .grad tensors are views of persistent flat buffers (one in-place
+    # Allreduce per step, no pack/unpack copies)
+    buckets = GradientBuckets(params, grid.data_comm) if grid.data_size > 1 else None
     loss_fn = nn.functional.cross_entropy
     from mgrit.faults import phase
     guard = None
@@ -244,15 +247,18 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
             with phase("data loading"):
                 j = torch.as_tensor(idx)
                 x, y = xtr[j], ytr[j]
-            opt.zero_grad(set_to_none=True)
+            if buckets is None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                buckets.zero_grad()
             out = net(x)
             loss = net.loss(out, y) if mg else loss_fn(out, y)
             loss.backward()
             if guard is not None:
                 guard.check_resnet(net.resnet, step)
-            if grid.data_size > 1:
+            if buckets is not None:
                 with phase("gradient averaging"):
-                    average_gradients(params, grid.data_comm, weight=len(idx) / glen)
+                    buckets.average(weight=len(idx) / glen)
             opt.step()
             step += 1
             if is_last:

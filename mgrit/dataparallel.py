@@ -43,8 +43,8 @@ from mpi4py import MPI
 
 from .comm import cuda_aware
 
-__all__ = ["average_gradients", "broadcast_parameters", "check_replicas_consistent",
-           "DEFAULT_BUCKET_BYTES", "SUPPORTED_DTYPES"]
+__all__ = ["average_gradients", "GradientBuckets", "broadcast_parameters",
+           "check_replicas_consistent", "DEFAULT_BUCKET_BYTES", "SUPPORTED_DTYPES"]
 
 #: Default bucket size (25 MiB of gradient data, PyTorch DDP's default).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -113,11 +113,50 @@ def _collective_inplace(comm: MPI.Comm, flat: torch.Tensor, mpitype, op, timings
             timings["stage"] = timings.get("stage", 0.0) + time.perf_counter() - t0
 
 
+def _check_params(parameters) -> list:
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.dtype not in _MPI_TYPES:
+            raise ValueError(f"parameter dtype {p.dtype} is not supported for gradient averaging: "
+                             f"use one of {[str(d) for d in SUPPORTED_DTYPES]}")
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError("sparse gradients are not supported for gradient averaging")
+    return params
+
+
+def _reduce_bucket(comm, flat, n, has_grad, weight, timings) -> torch.Tensor:
+    """Sum ``flat`` (``n`` gradient values, then one flag per parameter) over ``comm`` in place
+    and apply the mean (``weight is None``: scaled by ``1/size`` after the sum) or ``weight``
+    (scaled before the sum, each rank its own). Returns the per-parameter "has a gradient on
+    some rank" mask (numpy bool)."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if weight is not None:
+            flat[:n].mul_(float(weight))
+        flat[n:].copy_(torch.tensor(has_grad, dtype=flat.dtype))
+    t1 = time.perf_counter()
+    _collective_inplace(comm, flat, _MPI_TYPES[flat.dtype], MPI.SUM, timings)
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        if weight is None:
+            flat[:n].mul_(1.0 / comm.Get_size())
+        has = (flat[n:].real if flat.is_complex() else flat[n:]).cpu().numpy() > 0.5
+    if timings is not None:
+        timings["pack"] = timings.get("pack", 0.0) + t1 - t0
+        timings["unpack"] = timings.get("unpack", 0.0) + time.perf_counter() - t2
+    return has
+
+
 def average_gradients(parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight: float | None = None,
                       timings: dict | None = None) -> int:
     """Average ``.grad`` of ``parameters`` over ``comm`` in place; returns the number of
     Allreduce calls made (one per bucket; 0 on a 1-rank communicator without ``weight``).
+
+    Packs the gradients into fresh flat buffers and unpacks them afterwards (two copies of the
+    gradient data per step). For a training loop, :class:`GradientBuckets` avoids both copies by
+    making the ``.grad`` tensors views of persistent buffers; this function suits one-off
+    averaging and models whose parameters change between steps.
 
     Args:
         parameters: parameters in the same order on every rank of ``comm`` (same shapes and
@@ -140,23 +179,14 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
             complex64/complex128 only) or a sparse gradient.
     """
     bucket_bytes = _check_bucket_bytes(bucket_bytes)
-    params = [p for p in parameters if p.requires_grad]
-    for p in params:
-        if p.dtype not in _MPI_TYPES:
-            raise ValueError(f"parameter dtype {p.dtype} is not supported for gradient averaging: "
-                             f"use one of {[str(d) for d in SUPPORTED_DTYPES]}")
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError("sparse gradients are not supported by average_gradients")
-    size = comm.Get_size()
-    if size == 1 and weight is None:
+    params = _check_params(parameters)
+    if comm.Get_size() == 1 and weight is None:
         return 0
-    scale = (1.0 / size) if weight is None else float(weight)
     calls = 0
     for bucket in _buckets(params, bucket_bytes):
         t0 = time.perf_counter()
-        dtype, device = bucket[0].dtype, bucket[0].device
         n = sum(p.numel() for p in bucket)
-        flat = torch.empty(n + len(bucket), dtype=dtype, device=device)
+        flat = torch.empty(n + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
         offset = 0
         with torch.no_grad():
             for p in bucket:
@@ -166,23 +196,16 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
                 else:
                     flat[offset:offset + k].copy_(p.grad.reshape(-1))
                 offset += k
-            if weight is not None:  # each rank's own weight: applied before the sum
-                flat[:n].mul_(scale)
-            flat[n:].copy_(torch.tensor([p.grad is not None for p in bucket], dtype=dtype))
         t1 = time.perf_counter()
-        _collective_inplace(comm, flat, _MPI_TYPES[dtype], MPI.SUM, timings)
+        has = _reduce_bucket(comm, flat, n, [p.grad is not None for p in bucket], weight, timings)
         calls += 1
         t2 = time.perf_counter()
         with torch.no_grad():
-            data = flat[:n]
-            if weight is None:  # mean: the same 1/P_D on every rank, after the sum
-                data.mul_(scale)
-            has = (flat[n:].real if flat.is_complex() else flat[n:]).cpu().numpy() > 0.5
             offset = 0
             for i, p in enumerate(bucket):
                 k = p.numel()
                 if has[i]:
-                    g = data[offset:offset + k].view_as(p)
+                    g = flat[offset:offset + k].view_as(p)
                     if p.grad is None:
                         p.grad = g.clone()
                     else:
@@ -192,6 +215,111 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
             timings["pack"] = timings.get("pack", 0.0) + t1 - t0
             timings["unpack"] = timings.get("unpack", 0.0) + time.perf_counter() - t2
     return calls
+
+
+class GradientBuckets:
+    """Persistent flat gradient buffers whose views are the parameters' ``.grad`` tensors.
+
+    The data-parallel counterpart of PyTorch DDP's ``gradient_as_bucket_view=True``: at
+    construction the parameters are grouped into buckets exactly as :func:`average_gradients`
+    does (by dtype and device, at most ``bucket_bytes`` each, same order on every replica), one
+    flat buffer is allocated per bucket and every ``p.grad`` is set to a view of its slice.
+    ``backward()`` then accumulates straight into the buffers and :meth:`average` is one in-place
+    ``Allreduce`` per bucket with no pack or unpack copies (measured in
+    ``experiments/bench_dataparallel.py``). Results equal :func:`average_gradients` bit for bit.
+
+    Use::
+
+        buckets = GradientBuckets(model.parameters(), grid.data_comm)
+        for x, y in shards:
+            buckets.zero_grad()            # zeros the buffers; the views stay the .grad tensors
+            loss_fn(model(x), y).backward()
+            buckets.average()              # mean over the replicas, one call per bucket
+            optimizer.step()
+
+    After :meth:`zero_grad` every parameter has a gradient (zeros if the step did not use it),
+    as in DDP with a static graph: an optimizer with momentum or weight decay then also updates
+    unused parameters. ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) keeps
+    torch's ``None`` semantics instead, at a cost: it detaches the views, backward allocates
+    fresh ``.grad`` tensors and :meth:`average` copies them into the buffers (one pack copy, as
+    in :func:`average_gradients`) and re-attaches the views; a parameter whose ``.grad`` is
+    ``None`` on every replica then keeps ``None`` (the optimizer skips it).
+
+    Args:
+        parameters: the replica's parameters, same order, shapes and dtypes on every rank of
+            ``comm`` (check once with :func:`check_replicas_consistent`); ``requires_grad=False``
+            ones are skipped. Existing ``.grad`` values are copied into the buffers.
+        comm: the data-parallel communicator (``ProcessGrid.data_comm``).
+        bucket_bytes: maximum bytes of gradient data per buffer (default 25 MiB), > 0.
+
+    Raises:
+        ValueError: at construction for a non-positive ``bucket_bytes``, an unsupported dtype or
+            a sparse gradient (no communication happens in the constructor); in :meth:`average`
+            if a parameter changed dtype, device or shape since construction (``.to()``,
+            ``.double()``: build a new ``GradientBuckets``).
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        bucket_bytes = _check_bucket_bytes(bucket_bytes)
+        self.comm = comm
+        self._buckets = []  # (flat buffer with n + len(params) elements, n, params, views)
+        with torch.no_grad():
+            for bucket in _buckets(_check_params(parameters), bucket_bytes):
+                n = sum(p.numel() for p in bucket)
+                flat = torch.zeros(n + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                views, offset = [], 0
+                for p in bucket:
+                    v = flat[offset:offset + p.numel()].view_as(p)
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                    p.grad = v
+                    views.append(v)
+                    offset += p.numel()
+                self._buckets.append((flat, n, bucket, views))
+
+    @property
+    def num_buckets(self) -> int:
+        """Number of flat buffers (= ``Allreduce`` calls per :meth:`average`)."""
+        return len(self._buckets)
+
+    def zero_grad(self) -> None:
+        """Zero every buffer and (re-)attach the views as the ``.grad`` tensors."""
+        with torch.no_grad():
+            for flat, _, params, views in self._buckets:
+                flat.zero_()
+                for p, v in zip(params, views):
+                    if p.grad is not v:
+                        p.grad = v
+
+    def average(self, weight: float | None = None, timings: dict | None = None) -> int:
+        """Average the gradients over ``comm`` in place (``weight`` and ``timings`` as in
+        :func:`average_gradients`); returns the number of ``Allreduce`` calls (0 on a 1-rank
+        communicator without ``weight``). Every ``.grad`` is a buffer view afterwards, or
+        ``None`` where no replica had a gradient."""
+        if self.comm.Get_size() == 1 and weight is None:
+            return 0
+        for flat, n, params, views in self._buckets:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                has_grad = []
+                for p, v in zip(params, views):
+                    if (p.dtype, p.device, p.shape) != (v.dtype, v.device, v.shape):
+                        raise ValueError(f"parameter of shape {tuple(v.shape)} {v.dtype} on "
+                                         f"{v.device} is now {tuple(p.shape)} {p.dtype} on "
+                                         f"{p.device}: build a new GradientBuckets after .to()")
+                    g = p.grad
+                    has_grad.append(g is not None)
+                    if g is None:
+                        v.zero_()
+                    elif g is not v and g.data_ptr() != v.data_ptr():
+                        v.copy_(g)  # detached by set_to_none or replaced: one pack copy
+            if timings is not None:
+                timings["pack"] = timings.get("pack", 0.0) + time.perf_counter() - t0
+            has = _reduce_bucket(self.comm, flat, n, has_grad, weight, timings)
+            for p, v, h in zip(params, views, has):
+                p.grad = v if h else None
+        return len(self._buckets)
 
 
 def broadcast_parameters(parameters: Iterable[torch.Tensor], comm: MPI.Comm, root: int = 0,

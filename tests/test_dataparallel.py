@@ -22,6 +22,11 @@ BATCH.add(2, "dp_equals_serial-small_buckets", f"{C}:check_dp_equals_serial", gl
           bucket_bytes=4096)
 BATCH.add(2, "dp_equals_serial-unequal_shards", f"{C}:check_dp_equals_serial", global_batch=63,
           weighted=True)
+for mode in ("buckets", "set_to_none"):
+    BATCH.add(2, f"dp_equals_serial-gradient_buckets-{mode}", f"{C}:check_dp_equals_serial",
+              global_batch=64, persistent=mode)
+BATCH.add(2, "dp_equals_serial-gradient_buckets-small-unequal", f"{C}:check_dp_equals_serial",
+          global_batch=63, bucket_bytes=4096, weighted=True, persistent="buckets")
 BATCH.add(4, "layer_parallel_x_dp_equals_serial", f"{C}:check_layer_parallel_dp_equals_serial",
           data_parallel=2)
 for k in (2, 4):
@@ -33,7 +38,7 @@ for k in (2, 4):
     for kind in ("count", "shape", "values"):
         BATCH.add(k, f"mismatched_replicas-{kind}", f"{C}:check_mismatched_replicas", kind=kind)
     for name in ("bucket_counts", "mixed_dtypes", "none_grads", "weight", "bad_arguments",
-                 "broadcast_fixes_values"):
+                 "broadcast_fixes_values", "buckets_match_average_gradients"):
         BATCH.add(k, name, f"{C}:check_{name}")
 
 

@@ -5,7 +5,7 @@ import torch
 from mpi4py import MPI
 
 from data import GlobalBatchSampler, load_dataset
-from mgrit.dataparallel import (average_gradients, broadcast_parameters,
+from mgrit.dataparallel import (GradientBuckets, average_gradients, broadcast_parameters,
                                 check_replicas_consistent)
 from mgrit.procgrid import ProcessGrid, device_for_rank
 
@@ -29,28 +29,41 @@ def _net(seed=0, extra=False, width=32):
     return torch.nn.Sequential(*layers).double()
 
 
-def _train(net, sampler, train, steps, comm=None, bucket_bytes=None, weighted=False):
-    """``steps`` SGD-with-momentum steps on the sampler's shards; returns Allreduce calls."""
+def _train(net, sampler, train, steps, comm=None, bucket_bytes=None, weighted=False,
+           persistent=None):
+    """``steps`` SGD-with-momentum steps on the sampler's shards; returns Allreduce calls.
+    ``persistent``: average with :class:`GradientBuckets`, zeroing its buffers
+    (``"buckets"``) or with ``optimizer.zero_grad()`` (``"set_to_none"``: detached views)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    buckets = None if persistent is None else GradientBuckets(net.parameters(), comm, **kw)
     calls = []
     batches = sampler.global_batches(0)
     for b in batches[:steps]:
         idx = sampler.shard(b)
         x, y = train.get_batch(idx)
         x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y)
-        opt.zero_grad()
+        if persistent == "buckets":
+            buckets.zero_grad()
+            views = [p.grad for p in net.parameters()]
+        else:
+            opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         if comm is not None:
-            kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-            if weighted:
-                kw["weight"] = len(idx) / len(b)
-            calls.append(average_gradients(net.parameters(), comm, **kw))
+            w = {"weight": len(idx) / len(b)} if weighted else {}
+            if buckets is None:
+                calls.append(average_gradients(net.parameters(), comm, **kw, **w))
+            else:
+                calls.append(buckets.average(**w))
+        if persistent == "buckets":  # backward accumulated into the buffers, no new tensors
+            assert all(p.grad is v for p, v in zip(net.parameters(), views))
         opt.step()
     return calls
 
 
-def check_dp_equals_serial(global_batch=64, steps=3, bucket_bytes=None, weighted=False):
+def check_dp_equals_serial(global_batch=64, steps=3, bucket_bytes=None, weighted=False,
+                           persistent=None):
     """P_D = size replicas vs 1 rank (computed here, serially, on the full global batches)."""
     train = _digits()
     grid = ProcessGrid(COMM, data_parallel=COMM.Get_size())
@@ -61,7 +74,8 @@ def check_dp_equals_serial(global_batch=64, steps=3, bucket_bytes=None, weighted
     check_replicas_consistent(net.parameters(), grid.data_comm, check_values=True)
     sampler = GlobalBatchSampler(len(train), global_batch, seed=3, rank=grid.data_rank,
                                  num_replicas=grid.data_size)
-    calls = _train(net, sampler, train, steps, grid.data_comm, bucket_bytes, weighted)
+    calls = _train(net, sampler, train, steps, grid.data_comm, bucket_bytes, weighted,
+                   persistent)
     assert len(calls) == steps
     if bucket_bytes is None:
         assert calls == [1] * steps, f"default bucket should be one Allreduce per step: {calls}"
@@ -217,6 +231,58 @@ def check_none_grads():
     assert d.grad is None
     assert torch.equal(b.grad, torch.ones(4, dtype=torch.float64)), b.grad
     assert torch.equal(c.grad, torch.full((2,), (size - 1) / 2, dtype=torch.float64)), c.grad
+
+
+def check_buckets_match_average_gradients():
+    """GradientBuckets == average_gradients bit for bit (mixed dtypes, small buckets, a
+    parameter without grad anywhere, one with grad on rank 0 only, frozen ones)."""
+    size, rank = COMM.Get_size(), COMM.Get_rank()
+    sizes = [5, 7, 3, 64, 2, 2, 9]
+    dts = [torch.float64, torch.float32, torch.float64, torch.float32, torch.float64,
+           torch.float64, torch.float32]
+    for bucket_bytes in (96, 1 << 20):
+        ref = _params(sizes, dts, rank)
+        ps = _params(sizes, dts, rank)
+        frozen = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
+        buckets = GradientBuckets(ps + [frozen], COMM, bucket_bytes=bucket_bytes)
+        for q in (ref, ps):  # as after optimizer.zero_grad() (set_to_none) and backward:
+            q[4].grad = None                                     # none anywhere
+            if rank != 0:
+                q[5].grad = None                                 # rank 0 only
+        n_ref = average_gradients(ref, COMM, bucket_bytes=bucket_bytes)
+        assert buckets.num_buckets == n_ref, (buckets.num_buckets, n_ref)
+        assert ps[0].grad.data_ptr() != 0 and frozen.grad is None
+        assert buckets.average() == n_ref
+        for i, (p, q) in enumerate(zip(ps, ref)):
+            if q.grad is None:
+                assert p.grad is None, i
+            else:
+                assert p.grad.dtype == dts[i] and torch.equal(p.grad, q.grad), (i, p.grad, q.grad)
+        # a second round after zero_grad: the views are re-attached, no stale values
+        buckets.zero_grad()
+        assert all(p.grad is not None and not p.grad.any() for p in ps)
+        for i, p in enumerate(ps):
+            p.grad.add_(float(rank + i))
+        buckets.average(weight=0.5)
+        for i, p in enumerate(ps):
+            want = 0.5 * sum(r + i for r in range(size))
+            assert torch.equal(p.grad, torch.full_like(p.grad, want)), (i, p.grad, want)
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    buckets = GradientBuckets([p], COMM)
+    p.data = p.data.float()
+    try:
+        buckets.average()
+    except ValueError as exc:
+        assert "build a new GradientBuckets" in str(exc) and "float32" in str(exc), str(exc)
+    else:
+        raise AssertionError("a parameter that changed dtype was accepted")
+    for bad in (0, -1, 2.5):
+        try:
+            GradientBuckets([p], COMM, bucket_bytes=bad)
+        except ValueError as exc:
+            assert "bucket_bytes" in str(exc)
+        else:
+            raise AssertionError(f"bucket_bytes={bad!r} accepted")
 
 
 def check_weight():
