@@ -12,10 +12,11 @@ linearizes the layer adjacent to that point, ``k = N - 1 - i``, with the step ``
 so no parameters ever cross ranks. The fixed point (the exact adjoint) does not depend on it.
 
 Concurrent relaxation: ``step_batch`` stacks the parameters of the layers involved and applies
-them in one call: the module's own ``forward_batched`` (``baddbmm`` for dense steps, one grouped
+them in one call: the module's own ``forward_batched`` (``bmm`` for dense steps, one grouped
 convolution for conv steps), else ``torch.func.vmap`` over ``torch.func.functional_call``, else
-(modules ``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients are one
-autograd call through that batched forward.
+(modules ``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients use the
+module's closed-form ``vjp_batched`` when it has one (dense steps with built-in activations),
+else one autograd call through that batched forward.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class _Stacked:
             self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
         self.tensors = {}
         self._native = hasattr(self.template, "forward_batched")
+        # a closed-form batched VJP (DenseStep with a built-in activation): no autograd graph
+        self.closed_form_vjp = bool(self._native and getattr(self.template, "closed_form_vjp",
+                                                             False))
 
     def refresh(self) -> None:
         """Re-stack the current values (after an optimizer step)."""
@@ -144,6 +148,21 @@ class AdjointChain(Propagator):
     def __init__(self, forward: ForwardChain, n_layers: int, states: torch.Tensor):
         self.fwd, self.n, self.states = forward, int(n_layers), states
         self._vjp = {}
+        self._dact = None  # closed form: act'(z_k) of every local layer, computed once
+
+    def _closed_form(self):
+        """The stacked layers and ``act'(z)`` of all local layers at the forward states (one
+        batched call, cached for the whole adjoint solve: ``(n_local, *state_shape)``), or
+        ``None`` when the step has no closed-form VJP."""
+        stack = self.fwd._stack
+        if stack is None or not stack.closed_form_vjp:
+            return None
+        if not stack.tensors:
+            stack.refresh()
+        if self._dact is None:
+            n = len(self.fwd.steps)
+            self._dact = stack.template.linearize_batched(stack.tensors, self.states[:n])
+        return stack
 
     @property
     def batched(self) -> bool:
@@ -153,7 +172,7 @@ class AdjointChain(Propagator):
         return self.n - 1 - start - self.fwd.first  # local index of the layer linearized
 
     def step(self, mu, start, stop, level):
-        j = self._layer(start)
+        j = self._layer(start)  # single steps stay autograd: one level = backprop bit for bit
         graph = self._vjp.get(j)
         if graph is None:  # the layer's graph is reused by every MGRIT iteration of this solve
             x = self.states[j].detach().requires_grad_(True)
@@ -175,10 +194,14 @@ class AdjointChain(Propagator):
                                device=mu.device)
         else:
             idx = torch.as_tensor([self._layer(s) for s in starts], device=mu.device)
+        v = self.fwd._dt(starts, stops, mu) * mu
+        if self._closed_form() is not None:
+            return mu + stack.template.vjp_batched(stack.take(idx), None, v,
+                                                   dact=self._dact.index_select(0, idx))
         x = self.states.index_select(0, idx).requires_grad_(True)
         with torch.enable_grad():
             y = stack.apply(stack.take(idx), x)
-            (g,) = torch.autograd.grad(y, x, self.fwd._dt(starts, stops, mu) * mu)
+            (g,) = torch.autograd.grad(y, x, v)
         return mu + g
 
     def parameter_gradients(self, lam_next: torch.Tensor, batched: bool) -> list[torch.Tensor]:
@@ -196,14 +219,20 @@ class AdjointChain(Propagator):
         n = len(steps)
         if batched and self.fwd.batched:
             stack = self.fwd._stack
-            p = {k: (t.clone().requires_grad_(True) if k in stack.names else t)
-                 for k, t in stack.tensors.items()}
-            with torch.enable_grad():
-                y = stack.apply(p, self.states[:n].detach())
-                g = torch.autograd.grad(y, [p[k] for k in stack.names], cot, allow_unused=True)
-            g = {k: (gk if gk is not None else torch.zeros_like(p[k]))
-                 for k, gk in zip(stack.names, g)}
-            return [g[k][j] for j in range(n) for k in stack.names]
+            if self._closed_form() is not None:
+                g = stack.template.vjp_batched(stack.tensors, self.states[:n].detach(), cot,
+                                               params=True, dact=self._dact)
+            else:
+                p = {k: (t.clone().requires_grad_(True) if k in stack.names else t)
+                     for k, t in stack.tensors.items()}
+                with torch.enable_grad():
+                    y = stack.apply(p, self.states[:n].detach())
+                    gs = torch.autograd.grad(y, [p[k] for k in stack.names], cot,
+                                             allow_unused=True)
+                g = {k: (gk if gk is not None else torch.zeros_like(p[k]))
+                     for k, gk in zip(stack.names, gs)}
+            cols = [g[k] for k in stack.names]  # (indexing is 2x faster than unbind here)
+            return [t[j] for j in range(n) for t in cols]
         out = []
         with torch.enable_grad():
             for j, s in enumerate(steps):
