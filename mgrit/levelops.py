@@ -81,7 +81,9 @@ class LevelOps:
     def phi(self, st: LevelState, sources: range) -> torch.Tensor:
         """``Phi(u_j)`` for the owned level points ``j`` in ``sources``: shape ``(len, *shape)``."""
         lv = st.lv
-        if len(sources) == 1 or not self.batched:
+        if len(sources) == 1:
+            return self.phi_one(st, sources[0]).unsqueeze(0)  # a view: no copy
+        if not self.batched:
             return torch.stack([self.phi_one(st, j) for j in sources])
         s = lv.stride
         self.stats.steps_batched_calls += 1

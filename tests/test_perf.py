@@ -118,3 +118,47 @@ def test_planner_valid():
 def test_bad_inputs(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_layerparallel_calibration_helpers():
+    """experiments/layerparallel_calibration.py on a tiny network: every calibrated cost is
+    finite and >= 0, the solver-overhead fit uses a free propagator (so it is far below a
+    real step), the reductions and the JSON round trip keep the values."""
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    import layerparallel_calibration as cal
+
+    from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet
+
+    torch.manual_seed(0)
+    N, m = 128, 8
+    make = lambda k: DenseStep(4, "tanh")  # noqa: E731
+    opts = MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=2)
+    lp = LayerParallelResNet.build(make, N, (4,), forward=opts, backward=opts)
+    x = torch.randn(16, 4)
+    lp(x).square().mean().backward()
+    net = serial_resnet(make, N)
+    c = cal.calibrate(net, lp, x, m, 1e-6, 1e-7, lambda y: y.square().mean(),
+                      time.perf_counter, repeats=2, inner=2, solver_options=opts)
+    vals = [c.fwd.single, c.fwd.call, c.fwd.item, c.adj.single, c.adj.call, c.adj.item,
+            c.serial_fwd, c.serial_bwd, c.pgrad_item, c.per_layer, c.refresh]
+    assert all(v >= 0 and v < 1.0 for v in vals), vals
+    assert c.fwd.single > 0 and c.serial_fwd > 0 and c.nbytes == 16 * 4 * 4
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    o = cal.solver_overhead(N, (16, 4), opts, timed)
+    assert 0 <= o.single < 1e-3 and o.call >= 0 and o.item >= 0
+    lo = perf.TrainCosts(fwd=perf.StepCost(1, 2, 3), adj=perf.StepCost(4, 5, 6), serial_fwd=7,
+                         serial_bwd=8, pgrad_item=9, per_layer=10, nbytes=11, refresh=12)
+    hi = perf.TrainCosts(fwd=perf.StepCost(2, 3, 4), adj=perf.StepCost(5, 6, 7), serial_fwd=8,
+                         serial_bwd=9, pgrad_item=10, per_layer=11, nbytes=11, refresh=13)
+    assert cal.median_costs([lo, hi], max) == hi
+    assert cal.median_costs([lo, hi, hi]) == hi
+    assert cal.costs_from_json(cal.costs_to_json(lo)) == lo

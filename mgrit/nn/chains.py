@@ -131,7 +131,10 @@ class ForwardChain(Propagator):
                 raise
             self._stack = None  # a module vmap cannot batch: remember and loop from now on
             return super().step_batch(u, starts, stops, level)
-        return u + self._dt(starts, stops, u) * out
+        dt = self._dt(starts, stops, u)
+        if isinstance(dt, float):
+            return torch.add(u, out, alpha=dt)  # one pass instead of two (~20% of a step)
+        return u + dt * out
 
 
 class AdjointChain(Propagator):

@@ -1,0 +1,166 @@
+"""Calibration of the cost model (:mod:`mgrit.perf`) for a layer-parallel ResNet of dense steps:
+each input of :class:`mgrit.perf.TrainCosts` timed on its own, on the machine at hand. Used by
+``experiments/bench_layerparallel.py`` (part d), which calls it once per repeat, interleaved with
+the runs the model is validated against."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from mpi4py import MPI
+
+from mgrit import perf
+from mgrit.nn.chains import AdjointChain
+from mgrit.propagator import Propagator
+from mgrit.solver import MGRIT
+
+__all__ = ["calibrate", "median_costs", "costs_to_json", "costs_from_json"]
+
+med = statistics.median
+
+
+class _Bridge(torch.autograd.Function):
+    """The autograd bridge's own cost: a Function with every parameter as an input whose
+    backward returns ready gradients (what the engine does around the adjoint solve)."""
+
+    @staticmethod
+    def forward(ctx, x, grads, *params):
+        ctx.grads = grads
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, None, *ctx.grads)
+
+
+class _Null(Propagator):
+    """A free step (a copy): solving with it times the solver's own bookkeeping."""
+
+    def step(self, u, start, stop, level):
+        return u.clone()
+
+    def step_batch(self, u, starts, stops, level):
+        return u.clone()
+
+
+def solver_overhead(n, shape, options, timed, repeats=3, dtype=torch.float32):
+    """MGRIT bookkeeping (level operations, state updates, residuals) in the form of a
+    :class:`mgrit.perf.StepCost` to add to the step costs: 1-rank solves with ``options`` and a
+    free propagator over ``n`` intervals unbatched (every operation a single step: seconds per
+    single) and batched over ``n`` and ``n // 2`` intervals (seconds per call and per
+    interval, a least-squares fit after the singles' share)."""
+    u0 = torch.zeros(shape, dtype=dtype)
+
+    def run(batched, nn):
+        opts = dataclasses.replace(options, batched=batched)
+        s = MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
+        st = s.solve(u0).stats
+        return med([timed(lambda: s.solve(u0)) for _ in range(repeats)]), st
+    t1, st1 = run(False, n)
+    single = t1 / st1.steps_single
+    rows = []
+    for nn in (n, n // 2):
+        t, st = run(True, nn)
+        rows.append((st.steps_batched_calls, st.steps_batched_items,
+                     max(t - single * st.steps_single, 0.0)))
+    (c1, i1, y1), (c2, i2, y2) = rows
+    det = c1 * i2 - c2 * i1
+    if det == 0:  # same shape of work: no per-interval term
+        return perf.StepCost(single, y1 / max(c1, 1), 0.0)
+    call, item = (y1 * i2 - y2 * i1) / det, (c1 * y2 - c2 * y1) / det
+    if call < 0 or item < 0:  # noise: keep one non-negative term
+        call, item = (0.0, y1 / max(i1, 1)) if call < 0 else (y1 / max(c1, 1), 0.0)
+    return perf.StepCost(single, call, item)
+
+
+def _slope(times: dict) -> float:
+    """Per-layer cost: least-squares slope of time against depth (drops fixed overheads)."""
+    return perf.fit_step_cost(0.0, list(times), list(times.values())).item
+
+
+def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, repeats=3,
+              inner=20, solver_options=None) -> perf.TrainCosts:
+    """Costs of the model (mgrit.perf.TrainCosts) of this rank's layers, each piece timed on
+    its own: batched and single forward / adjoint steps over intervals strided by ``m`` as
+    the solver calls them (inputs allocated outside the timed calls); serial per-layer costs
+    as slopes over depths 64..512 of ``serial_layers``; the parameter-gradient sweep (incl. the
+    adjoint's linearization) and the autograd bridge per layer. ``per_layer_opt``/``refresh``:
+    optimizer step and parameter stacking per layer, timed separately by the caller. Called
+    once per repeat, interleaved with the measured runs (and, for P = 2, on both ranks at
+    once), so that costs and measurements see the same machine state. ``loss_fn(output)``:
+    the scalar loss of the serial layers' output; ``clock``: ``time.perf_counter`` or
+    ``time.process_time``. ``solver_options``: the forward solve's MGRITOptions; when given,
+    the solver's bookkeeping (:func:`solver_overhead`, on this rank's ``n`` layers) is added
+    to the step costs (per single step, per batched call and per interval)."""
+    def timed(fn):
+        t0 = clock()
+        fn()
+        return clock() - t0
+
+    ch, N, first, n = lp._chain, lp.n_layers, lp.first, len(lp.steps)
+    sizes = [B for B in (2, 8, 32, 64) if B * m < n]
+    U = {B: torch.randn(B, *x.shape) for B in sizes}
+    u1 = torch.randn(*x.shape)
+    i0 = N - first - n + 1  # reversed index of this rank's last layer + 1
+    kw = dict(sizes=sizes, repeats=repeats, inner=inner, clock=clock)
+    with torch.no_grad():
+        fwd = perf.calibrate_step(
+            lambda: ch.step(u1, first, first + 1, 0),
+            lambda B: ch.step_batch(U[B], range(first + 1, first + 1 + B * m, m),
+                                    range(first + 2, first + 2 + B * m, m), 0), **kw)
+        adj = AdjointChain(ch, N, lp._states)
+        adj_cost = perf.calibrate_step(
+            lambda: adj.step(u1, N - 1 - first, N - first, 0),
+            lambda B: adj.step_batch(U[B], range(i0, i0 + B * m, m),
+                                     range(i0 + 1, i0 + 1 + B * m, m), 0), **kw)
+    fwd_t, train_t = {}, {}
+    for d in (64, 128, 256, 512):
+        if d <= len(serial_layers):
+            short = serial_layers[:d]
+            with torch.no_grad():
+                fwd_t[d] = med([timed(lambda: short(x)) for _ in range(repeats)])
+            train_t[d] = med([timed(lambda: loss_fn(short(x)).backward()) for _ in range(repeats)])
+    sf = _slope(fwd_t)
+    lam = torch.randn(n, *x.shape)
+    pg = med([timed(lambda: AdjointChain(ch, N, lp._states).parameter_gradients(lam, True))
+              for _ in range(repeats)])
+    params = list(lp.parameters())
+    grads = [torch.zeros_like(q) for q in params]
+
+    def bridge():
+        for q in params:
+            q.grad = None
+        _Bridge.apply(x, grads, *params).sum().backward()
+    bridge()
+    br = med([timed(bridge) for _ in range(repeats)])
+    for q in params:
+        q.grad = None
+    if solver_options is not None:
+        o = solver_overhead(n, tuple(x.shape), solver_options, timed, repeats, x.dtype)
+        fwd, adj_cost = (perf.StepCost(c.single + o.single, c.call + o.call, c.item + o.item)
+                         for c in (fwd, adj_cost))
+    return perf.TrainCosts(fwd=fwd, adj=adj_cost, serial_fwd=sf, serial_bwd=_slope(train_t) - sf,
+                           pgrad_item=(pg + br) / n, per_layer=per_layer_opt, refresh=refresh,
+                           nbytes=x.numel() * x.element_size())
+
+
+def median_costs(cs, reduce=med):
+    """Field-wise median (or ``reduce``, e.g. ``max``) of several TrainCosts: the median over
+    repeats; over ranks, ``max`` (the critical path waits for the slower rank)."""
+    step = lambda name: perf.StepCost(*(reduce([getattr(getattr(c, name), f) for c in cs])  # noqa: E731
+                                        for f in ("single", "call", "item")))
+    return perf.TrainCosts(fwd=step("fwd"), adj=step("adj"),
+                           **{f: reduce([getattr(c, f) for c in cs])
+                              for f in ("serial_fwd", "serial_bwd", "pgrad_item", "per_layer",
+                                        "refresh")}, nbytes=cs[0].nbytes)
+
+
+def costs_to_json(c):
+    return dataclasses.asdict(c)
+
+
+def costs_from_json(d):
+    return perf.TrainCosts(**{k: (perf.StepCost(**v) if isinstance(v, dict) else v)
+                              for k, v in d.items()})
