@@ -5,6 +5,7 @@ the runs the model is validated against."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 import torch
@@ -81,7 +82,7 @@ def _slope(times: dict) -> float:
 
 
 def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, repeats=3,
-              inner=20, solver_options=None) -> perf.TrainCosts:
+              inner=20, solver_options=None, one_at_a_time=None) -> perf.TrainCosts:
     """Costs of the model (mgrit.perf.TrainCosts) of this rank's layers, each piece timed on
     its own: batched and single forward / adjoint steps over intervals strided by ``m`` as
     the solver calls them (inputs allocated outside the timed calls); serial per-layer costs
@@ -93,7 +94,10 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, r
     the scalar loss of the serial layers' output; ``clock``: ``time.perf_counter`` or
     ``time.process_time``. ``solver_options``: the forward solve's MGRITOptions; when given,
     the solver's bookkeeping (:func:`solver_overhead`, on this rank's ``n`` layers) is added
-    to the step costs (per single step, per batched call and per interval)."""
+    to the step costs (per single step, per batched call and per interval).
+    ``one_at_a_time(fn)``: runs ``fn`` on each rank in turn while the others wait (the serial
+    slopes are then timed as a blocking chain runs: one rank computing at a time); default:
+    call ``fn`` directly."""
     def timed(fn):
         t0 = clock()
         fn()
@@ -106,22 +110,30 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, r
     i0 = N - first - n + 1  # reversed index of this rank's last layer + 1
     kw = dict(sizes=sizes, repeats=repeats, inner=inner, clock=clock)
     with torch.no_grad():
+        # single steps as the coarse sweep applies them: the C-point layers in turn; the
+        # adjoint builds each layer's graph once per solve (a fresh chain per step)
+        cs = itertools.cycle(range(0, n, m))
         fwd = perf.calibrate_step(
-            lambda: ch.step(u1, first, first + 1, 0),
+            lambda: ch.step(u1, *(lambda j: (first + j, first + j + m))(next(cs)), 1),
             lambda B: ch.step_batch(U[B], range(first + 1, first + 1 + B * m, m),
                                     range(first + 2, first + 2 + B * m, m), 0), **kw)
         adj = AdjointChain(ch, N, lp._states)
         adj_cost = perf.calibrate_step(
-            lambda: adj.step(u1, N - 1 - first, N - first, 0),
+            lambda: AdjointChain(ch, N, lp._states).step(
+                u1, *(lambda i: (i, i + m))(N - 1 - first - next(cs)), 1),
             lambda B: adj.step_batch(U[B], range(i0, i0 + B * m, m),
                                      range(i0 + 1, i0 + 1 + B * m, m), 0), **kw)
     fwd_t, train_t = {}, {}
-    for d in (64, 128, 256, 512):
-        if d <= len(serial_layers):
-            short = serial_layers[:d]
-            with torch.no_grad():
-                fwd_t[d] = med([timed(lambda: short(x)) for _ in range(repeats)])
-            train_t[d] = med([timed(lambda: loss_fn(short(x)).backward()) for _ in range(repeats)])
+
+    def serial_slopes():
+        for d in (64, 128, 256, 512):
+            if d <= len(serial_layers):
+                short = serial_layers[:d]
+                with torch.no_grad():
+                    fwd_t[d] = med([timed(lambda: short(x)) for _ in range(repeats)])
+                train_t[d] = med([timed(lambda: loss_fn(short(x)).backward())
+                                  for _ in range(repeats)])
+    (one_at_a_time or (lambda fn: fn()))(serial_slopes)
     sf = _slope(fwd_t)
     lam = torch.randn(n, *x.shape)
     pg = med([timed(lambda: AdjointChain(ch, N, lp._states).parameter_gradients(lam, True))
