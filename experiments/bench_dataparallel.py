@@ -19,11 +19,15 @@ Throughput, P_D = 2 vs 1, on two models trained with SGD + momentum on ``mnist5k
   512: ~9 GFLOP against 11.6 MB, i.e. 2.5x more bytes per FLOP; its GEMMs are also memory-bound
   on this VM (two ranks on two cores run them at 1.7x, not 2x, before any communication).
 
-Each P_D = 2 model is timed with both averaging paths side by side:
-:class:`mgrit.dataparallel.GradientBuckets` (``.grad`` tensors are views of persistent flat
-buffers: zero + in-place Allreduce) and :func:`mgrit.dataparallel.average_gradients` (pack into a
-fresh flat buffer, Allreduce, unpack). Time per step = max over ranks, median of ``--steps`` timed
-steps after 2 warm-up steps; throughput = global batch / time per step.
+Each P_D = 2 model is timed with three averaging paths side by side:
+:class:`mgrit.dataparallel.GradientBuckets` with its default ``zero_grad()`` (``buckets``: fresh
+gradients packed into persistent buffers, in-place Allreduce, views become ``.grad``) and with
+``zero_grad(set_to_none=False)`` (``views``: backward accumulates into the buffers), and
+:func:`mgrit.dataparallel.average_gradients` (``pack``: pack into a fresh buffer, Allreduce,
+unpack). Time per step = max over ranks, median of ``--steps`` timed steps after 2 warm-up
+steps; throughput = global batch / time per step. ``--pairs`` alternating P_D = 1 / P_D = 2
+launches (default 3) so that slow drifts of the machine's speed hit both sides; speed-ups are
+medians of the per-pair ratios.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,7 +92,8 @@ def time_allreduce(model, comm, bucket_bytes, reps=30):
 
 def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
     """Train ``name`` for ``steps`` + 2 steps; ``averaging`` is "buckets" (GradientBuckets) or
-    "pack" (average_gradients). Returns median/best times (max over ranks)."""
+    "pack" (average_gradients) or "views" (GradientBuckets with zero_grad(set_to_none=False):
+    backward accumulates into the buffers). Returns median/best times (max over ranks)."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -99,7 +105,7 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
     net = {"mlp": mlp, "cnn": cnn}[name]()
     check_replicas_consistent(net.parameters(), grid.data_comm, check_values=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    buckets = GradientBuckets(net.parameters(), grid.data_comm) if averaging == "buckets" else None
+    buckets = None if averaging == "pack" else GradientBuckets(net.parameters(), grid.data_comm)
     sampler = GlobalBatchSampler(len(train), global_batch, seed=0, rank=grid.data_rank,
                                  num_replicas=grid.data_size, drop_last=True)
     rows, losses = [], []
@@ -118,7 +124,7 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
         if buckets is None:
             opt.zero_grad()
         else:
-            buckets.zero_grad()
+            buckets.zero_grad(set_to_none=averaging == "buckets")
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         t1 = time.perf_counter()
@@ -164,7 +170,7 @@ def worker(args) -> None:
     comm = MPI.COMM_WORLD
     grid = ProcessGrid(comm, data_parallel=comm.Get_size())
     train = load_dataset("mnist5k")[0]
-    paths = ("buckets", "pack") if comm.Get_size() > 1 else ("buckets",)
+    paths = ("buckets", "views", "pack") if comm.Get_size() > 1 else ("buckets",)
     runs = [throughput(name, batch, path, grid, train, args.steps)
             for name, batch in (("cnn", args.cnn_batch), ("mlp", args.global_batch))
             for path in paths]
@@ -180,6 +186,19 @@ def worker(args) -> None:
                                         "per_param_s": tp, "per_param_calls": cp}
     if comm.Get_rank() == 0:
         Path(args.worker).write_text(json.dumps(res))
+
+
+def merge(results: list) -> dict:
+    """Field-wise medians of several launches' results (same runs in the same order)."""
+    def med(vals):
+        return statistics.median(vals) if isinstance(vals[0], (int, float)) else vals[0]
+    out = {k: v for k, v in results[0].items() if k != "runs"}
+    out["runs"] = [{k: med([r["runs"][i][k] for r in results]) for k in run}
+                   for i, run in enumerate(results[0]["runs"])]
+    for k, v in results[0].items():
+        if k.startswith("allreduce_"):
+            out[k] = {f: med([r[k][f] for r in results]) for f in v}
+    return out
 
 
 def launch(nprocs: int, args) -> dict:
@@ -200,6 +219,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     ap.add_argument("--global-batch", type=int, default=512, help="MLP global batch (default 512)")
     ap.add_argument("--cnn-batch", type=int, default=128, help="CNN global batch (default 128)")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="alternating P_D = 1 / P_D = 2 launches (default 3); tables show medians "
+                         "over them, speed-ups the median of the per-pair ratios")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_dataparallel.md"))
     args = ap.parse_args()
@@ -207,13 +229,23 @@ def main() -> None:
         worker(args)
         return
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    r1 = launch(1, args)
-    r2 = launch(2, args)
+    pairs = [(launch(1, args), launch(2, args)) for _ in range(args.pairs)]  # alternated: a
+    r1, r2 = merge([a for a, _ in pairs]), merge([b for _, b in pairs])   # drift hits both
+
+    def pair_ratio(name, key, mode="buckets", inverse=False):
+        """Median over pairs of the P_D = 2 (``mode``) vs P_D = 1 ratio of ``key``."""
+        out = []
+        for a, b in pairs:
+            one = next(r for r in a["runs"] if r["model"] == name)
+            two = next(r for r in b["runs"] if r["model"] == name and r["averaging"] == mode)
+            out.append(one[key] / two[key] if inverse else two[key] / one[key])
+        return statistics.median(out)
     import reporting
     commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
-    defaults = (args.steps, args.global_batch, args.cnn_batch) == (10, 512, 128)
+    defaults = (args.steps, args.global_batch, args.cnn_batch, args.pairs) == (10, 512, 128, 3)
     cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + ("" if defaults else
-        f" --steps {args.steps} --global-batch {args.global_batch} --cnn-batch {args.cnn_batch}")
+        f" --steps {args.steps} --global-batch {args.global_batch} --cnn-batch {args.cnn_batch}"
+        f" --pairs {args.pairs}")
     runs = r1["runs"] + r2["runs"]
     lines = [
         "# Data-parallel throughput and bucketed gradient averaging",
@@ -233,8 +265,11 @@ def main() -> None:
         "",
         "## Throughput, P_D = 2 vs 1 (same global batch)",
         "",
-        "Averaging: `buckets` = `GradientBuckets` (`.grad` tensors are views of persistent flat "
-        "buffers; in-place Allreduce), `pack` = `average_gradients` (pack, Allreduce, unpack).",
+        "Averaging: `buckets` = `GradientBuckets` with its default `zero_grad()` (fresh "
+        "gradients packed into persistent flat buffers, in-place Allreduce, the buffer views "
+        "become the `.grad` tensors: one copy), `views` = `GradientBuckets` with "
+        "`zero_grad(set_to_none=False)` (backward accumulates into zeroed buffer views: no copy), "
+        "`pack` = `average_gradients` (fresh buffer, pack, Allreduce, unpack: two copies).",
         "",
         "| model | P_D | averaging | step [ms] median (best) | forward+backward [ms] | gradient averaging [ms] (of which MPI_Allreduce) | samples/s median (best) | CPU s per step |",
         "|---|---|---|---|---|---|---|---|",
@@ -245,17 +280,18 @@ def main() -> None:
                      f"{1e3 * r['average_s']:.2f} ({1e3 * r['allreduce_s']:.2f}) | "
                      f"{r['samples_per_s']:.0f} ({r['samples_per_s_best']:.0f}) | "
                      f"{1e3 * r['cpu_step_s']:.1f} ms |")
-    lines += ["", "| model | parameters (gradient MB) | speed-up P_D = 2 (buckets) vs 1: median steps | best steps | CPU time per step | P_D = 2 with pack instead of buckets |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", f"Speed-ups: median over {args.pairs} alternating P_D = 1 / P_D = 2 launches of the "
+              "per-launch ratio (the table above: medians over the launches).", "",
+              "| model | parameters (gradient MB) | speed-up P_D = 2 (buckets) vs 1: median steps | best steps | CPU time per step | P_D = 2 with views | P_D = 2 with pack |",
+              "|---|---|---|---|---|---|---|"]
     for name in ("cnn", "mlp"):
         one = next(r for r in r1["runs"] if r["model"] == name)
-        b = next(r for r in r2["runs"] if r["model"] == name and r["averaging"] == "buckets")
-        pk = next(r for r in r2["runs"] if r["model"] == name and r["averaging"] == "pack")
         lines.append(f"| {name} | {one['params'] / 1e6:.2f} M ({one['grad_bytes'] / 1e6:.1f}) | "
-                     f"**{b['samples_per_s'] / one['samples_per_s']:.2f}x** | "
-                     f"{b['samples_per_s_best'] / one['samples_per_s_best']:.2f}x | "
-                     f"{one['cpu_step_s'] / b['cpu_step_s']:.2f}x | "
-                     f"{pk['samples_per_s'] / one['samples_per_s']:.2f}x |")
+                     f"**{pair_ratio(name, 'samples_per_s'):.2f}x** | "
+                     f"{pair_ratio(name, 'samples_per_s_best'):.2f}x | "
+                     f"{pair_ratio(name, 'cpu_step_s', inverse=True):.2f}x | "
+                     f"{pair_ratio(name, 'samples_per_s', 'views'):.2f}x | "
+                     f"{pair_ratio(name, 'samples_per_s', 'pack'):.2f}x |")
     lines += ["", "Target: >= 1.7x on a compute-bound configuration (`cnn`). Wall-clock ratios are "
               "what this run saw. The CPU-time ratio does not count time spent descheduled by "
               "other jobs, but still counts MPI busy-waiting for a descheduled peer, so on a "

@@ -218,32 +218,37 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], comm: MPI.Comm,
 
 
 class GradientBuckets:
-    """Persistent flat gradient buffers whose views are the parameters' ``.grad`` tensors.
+    """Persistent flat gradient buffers; after :meth:`average` the parameters' ``.grad`` are
+    views of them.
 
-    The data-parallel counterpart of PyTorch DDP's ``gradient_as_bucket_view=True``: at
-    construction the parameters are grouped into buckets exactly as :func:`average_gradients`
-    does (by dtype and device, at most ``bucket_bytes`` each, same order on every replica), one
-    flat buffer is allocated per bucket and every ``p.grad`` is set to a view of its slice.
-    ``backward()`` then accumulates straight into the buffers and :meth:`average` is one in-place
-    ``Allreduce`` per bucket with no pack or unpack copies (measured in
-    ``experiments/bench_dataparallel.py``). Results equal :func:`average_gradients` bit for bit.
+    At construction the parameters are grouped into buckets exactly as
+    :func:`average_gradients` does (by dtype and device, at most ``bucket_bytes`` each, same
+    order on every replica) and one flat buffer is allocated per bucket, once. Each
+    :meth:`average` is one in-place ``Allreduce`` per bucket; compared with
+    :func:`average_gradients` it saves the buffer allocation and the unpack copy (the reduced
+    buffer slices simply become the ``.grad`` tensors). Results equal
+    :func:`average_gradients` bit for bit.
+
+    Two ways to clear gradients (:meth:`zero_grad`):
+
+    * ``set_to_none=True`` (default, like ``optimizer.zero_grad()``): backward allocates fresh
+      gradients and :meth:`average` copies them into the buffers (one pack copy). A parameter
+      whose ``.grad`` is ``None`` on every replica keeps ``None`` (the optimizer skips it).
+    * ``set_to_none=False`` (PyTorch DDP's ``gradient_as_bucket_view``): the buffers are zeroed
+      and the views stay the ``.grad`` tensors, so backward accumulates straight into the
+      buffers and :meth:`average` copies nothing; every parameter then has a gradient (zeros if
+      unused), so momentum or weight decay also move unused parameters. Zeroing plus in-place
+      accumulation moves about as many bytes as the pack copy: on CPU it measured no faster
+      (``experiments/bench_dataparallel.py``); it saves memory (no second gradient copy).
 
     Use::
 
         buckets = GradientBuckets(model.parameters(), grid.data_comm)
         for x, y in shards:
-            buckets.zero_grad()            # zeros the buffers; the views stay the .grad tensors
+            buckets.zero_grad()
             loss_fn(model(x), y).backward()
             buckets.average()              # mean over the replicas, one call per bucket
             optimizer.step()
-
-    After :meth:`zero_grad` every parameter has a gradient (zeros if the step did not use it),
-    as in DDP with a static graph: an optimizer with momentum or weight decay then also updates
-    unused parameters. ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) keeps
-    torch's ``None`` semantics instead, at a cost: it detaches the views, backward allocates
-    fresh ``.grad`` tensors and :meth:`average` copies them into the buffers (one pack copy, as
-    in :func:`average_gradients`) and re-attaches the views; a parameter whose ``.grad`` is
-    ``None`` on every replica then keeps ``None`` (the optimizer skips it).
 
     Args:
         parameters: the replica's parameters, same order, shapes and dtypes on every rank of
@@ -283,10 +288,15 @@ class GradientBuckets:
         """Number of flat buffers (= ``Allreduce`` calls per :meth:`average`)."""
         return len(self._buckets)
 
-    def zero_grad(self) -> None:
-        """Zero every buffer and (re-)attach the views as the ``.grad`` tensors."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients: ``.grad = None`` (default), or zero every buffer and (re-)attach
+        the views as the ``.grad`` tensors (``set_to_none=False``; see the class doc)."""
         with torch.no_grad():
             for flat, _, params, views in self._buckets:
+                if set_to_none:
+                    for p in params:
+                        p.grad = None
+                    continue
                 flat.zero_()
                 for p, v in zip(params, views):
                     if p.grad is not v:

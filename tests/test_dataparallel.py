@@ -22,7 +22,7 @@ BATCH.add(2, "dp_equals_serial-small_buckets", f"{C}:check_dp_equals_serial", gl
           bucket_bytes=4096)
 BATCH.add(2, "dp_equals_serial-unequal_shards", f"{C}:check_dp_equals_serial", global_batch=63,
           weighted=True)
-for mode in ("buckets", "set_to_none"):
+for mode in ("buckets", "views", "set_to_none"):
     BATCH.add(2, f"dp_equals_serial-gradient_buckets-{mode}", f"{C}:check_dp_equals_serial",
               global_batch=64, persistent=mode)
 BATCH.add(2, "dp_equals_serial-gradient_buckets-small-unequal", f"{C}:check_dp_equals_serial",

@@ -32,8 +32,9 @@ def _net(seed=0, extra=False, width=32):
 def _train(net, sampler, train, steps, comm=None, bucket_bytes=None, weighted=False,
            persistent=None):
     """``steps`` SGD-with-momentum steps on the sampler's shards; returns Allreduce calls.
-    ``persistent``: average with :class:`GradientBuckets`, zeroing its buffers
-    (``"buckets"``) or with ``optimizer.zero_grad()`` (``"set_to_none"``: detached views)."""
+    ``persistent``: average with :class:`GradientBuckets`, cleared by its ``zero_grad()``
+    (``"buckets"``), by ``zero_grad(set_to_none=False)`` (``"views"``: backward accumulates
+    into the buffers) or by ``optimizer.zero_grad()`` (``"set_to_none"``)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     buckets = None if persistent is None else GradientBuckets(net.parameters(), comm, **kw)
@@ -43,9 +44,12 @@ def _train(net, sampler, train, steps, comm=None, bucket_bytes=None, weighted=Fa
         idx = sampler.shard(b)
         x, y = train.get_batch(idx)
         x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y)
-        if persistent == "buckets":
-            buckets.zero_grad()
+        if persistent == "views":
+            buckets.zero_grad(set_to_none=False)
             views = [p.grad for p in net.parameters()]
+        elif persistent == "buckets":
+            buckets.zero_grad()
+            assert all(p.grad is None for p in net.parameters())
         else:
             opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -56,7 +60,7 @@ def _train(net, sampler, train, steps, comm=None, bucket_bytes=None, weighted=Fa
                 calls.append(average_gradients(net.parameters(), comm, **kw, **w))
             else:
                 calls.append(buckets.average(**w))
-        if persistent == "buckets":  # backward accumulated into the buffers, no new tensors
+        if persistent == "views":  # backward accumulated into the buffers, no new tensors
             assert all(p.grad is v for p, v in zip(net.parameters(), views))
         opt.step()
     return calls
@@ -258,8 +262,10 @@ def check_buckets_match_average_gradients():
                 assert p.grad is None, i
             else:
                 assert p.grad.dtype == dts[i] and torch.equal(p.grad, q.grad), (i, p.grad, q.grad)
-        # a second round after zero_grad: the views are re-attached, no stale values
+        # a second round after zero_grad(set_to_none=False): views re-attached, no stale values
         buckets.zero_grad()
+        assert all(p.grad is None for p in ps)
+        buckets.zero_grad(set_to_none=False)
         assert all(p.grad is not None and not p.grad.any() for p in ps)
         for i, p in enumerate(ps):
             p.grad.add_(float(rank + i))
