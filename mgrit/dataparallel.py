@@ -5,6 +5,9 @@ parameters are grouped by (dtype, device), packed into flat buffers of at most `
 of gradient data each, reduced with one ``Allreduce`` per bucket through mpi4py's buffer API in
 the parameters' own dtype (no float64 -> float32 downcast, no pickling), and unpacked. With the
 default 25 MiB buckets a model of one dtype costs one call per step (plus one per extra 25 MiB).
+:class:`GradientBuckets` keeps the buffers across steps and makes their slices the ``.grad``
+tensors (no allocation, no unpack copy): use it in training loops, :func:`average_gradients`
+for one-off averaging.
 
 Exactness: with ``P_D`` replicas reading their shards of the same global batch
 (:class:`data.GlobalBatchSampler`) and each computing the *mean* loss over its shard, averaging
