@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
+import warnings
 
 import torch
 
@@ -48,22 +49,25 @@ class _Null(Propagator):
 
 def solver_overhead(n, shape, options, timed, repeats=3, dtype=torch.float32):
     """MGRIT bookkeeping (level operations, state updates, residuals) in the form of a
-    :class:`mgrit.perf.StepCost` to add to the step costs: 1-rank solves with ``options`` and a
-    free propagator over ``n`` intervals unbatched (every operation a single step: seconds per
-    single) and batched over ``n`` and ``n // 2`` intervals (seconds per call and per
-    interval, a least-squares fit after the singles' share)."""
+    :class:`mgrit.perf.StepCost` to add to the step costs, from 1-rank solves with a free
+    propagator: per single step from a one-level solve over ``n`` intervals (the sequential
+    sweep that coarse solves and one-interval F-relaxations run), per batched call and per
+    interval from ``options`` solves over ``n`` and ``n // 2`` intervals (a least-squares fit
+    after the singles' share)."""
     u0 = torch.zeros(shape, dtype=dtype)
 
-    def run(batched, nn):
-        opts = dataclasses.replace(options, batched=batched)
-        s = MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
+    def run(nn, **changes):
+        opts = dataclasses.replace(options, **changes)
+        with warnings.catch_warnings():  # the one-level solve warns that it is sequential
+            warnings.simplefilter("ignore")
+            s = MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
         st = s.solve(u0).stats
         return med([timed(lambda: s.solve(u0)) for _ in range(repeats)]), st
-    t1, st1 = run(False, n)
+    t1, st1 = run(n, max_levels=1, max_iter=1)
     single = t1 / st1.steps_single
     rows = []
     for nn in (n, n // 2):
-        t, st = run(True, nn)
+        t, st = run(nn)
         rows.append((st.steps_batched_calls, st.steps_batched_items,
                      max(t - single * st.steps_single, 0.0)))
     (c1, i1, y1), (c2, i2, y2) = rows
