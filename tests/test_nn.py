@@ -243,3 +243,41 @@ def test_adjoint_chain_closed_form_matches_autograd_fallback():
     for x, y, z in zip(ga, gb, loop):
         assert x.shape == z.shape
         assert torch.allclose(x, y, rtol=0, atol=1e-14) and torch.allclose(x, z, rtol=0, atol=1e-14)
+
+
+def test_heterogeneous_steps_are_not_batched_and_act_swaps_fall_back():
+    """Review findings: layers that differ in a non-parameter setting (tanh vs relu, SmoothReLU
+    eps) must not be batched with the first layer's settings; an activation replaced after
+    build() makes the adjoint fall back to autograd instead of failing. Exact mode vs serial
+    autograd, float64."""
+    from mgrit.nn.chains import _Stacked
+
+    assert not _Stacked([DenseStep(4, "tanh"), DenseStep(4, "relu")]).ok
+    a, b = DenseStep(4, "smoothrelu"), DenseStep(4, "smoothrelu")
+    b.act.eps = 0.25
+    assert not _Stacked([a, b]).ok and _Stacked([a, DenseStep(4, "smoothrelu")]).ok
+    opts = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=80)
+
+    def compare(mk, swap=None):
+        torch.manual_seed(0)
+        lp = LayerParallelResNet.build(mk, 16, (4,), forward=opts, backward=opts)
+        ser = serial_resnet(mk, 16)
+        if swap is not None:
+            for s in list(lp.steps) + [r.F for r in ser]:
+                s.act = swap()
+        x = torch.randn(5, 4)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = lp(xa), ser(xb)
+        assert ((ya - yb).norm() / yb.norm()).item() <= 1e-12
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        for p, q in zip(lp.parameters(), ser.parameters()):
+            assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= 1e-10
+
+    compare(lambda k: DenseStep(4, ["tanh", "relu"][k % 2]))
+
+    class Sin(nn.Module):
+        def forward(self, z):
+            return torch.sin(z)
+
+    compare(lambda k: DenseStep(4, "tanh"), swap=Sin)

@@ -31,6 +31,18 @@ from ..propagator import Propagator
 __all__ = ["ForwardChain", "AdjointChain"]
 
 
+def _config(module: nn.Module) -> tuple:
+    """Types and plain settings (public int/float/str/bool/tuple attributes: widths, kernel
+    sizes, SmoothReLU's eps, ...) of a module and its submodules. Steps whose configurations
+    differ (e.g. tanh and relu layers) are not stacked: a batched call applies one module's
+    settings to every layer."""
+    plain = (int, float, str, bool, tuple, type(None))
+    return tuple((type(m), tuple(sorted((k, v) for k, v in vars(m).items()
+                                        if not k.startswith("_") and k != "training"
+                                        and isinstance(v, plain))))
+                 for m in module.modules())
+
+
 class _Stacked:
     """Parameters and buffers of structurally identical modules, stacked along a new dim 0,
     and the batched application of the modules (``forward_batched`` when the module has one --
@@ -41,9 +53,11 @@ class _Stacked:
         self.template = steps[0]
         self.names = [n for n, _ in steps[0].named_parameters()]
         self.bnames = [n for n, _ in steps[0].named_buffers()]
+        config = _config(steps[0])  # batched calls apply the first module's settings
         self.ok = all([n for n, _ in s.named_parameters()] == self.names and
                       [n for n, _ in s.named_buffers()] == self.bnames and
                       all(p.shape == q.shape for p, q in zip(s.parameters(), steps[0].parameters()))
+                      and _config(s) == config
                       for s in steps)
         self._lists = {}
         if self.ok:
@@ -51,9 +65,12 @@ class _Stacked:
             self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
         self.tensors = {}
         self._native = hasattr(self.template, "forward_batched")
-        # a closed-form batched VJP (DenseStep with a built-in activation): no autograd graph
-        self.closed_form_vjp = bool(self._native and getattr(self.template, "closed_form_vjp",
-                                                             False))
+
+    @property
+    def closed_form_vjp(self) -> bool:
+        """The module has a closed-form batched VJP (DenseStep with a built-in activation):
+        no autograd graph. Read at every use (an activation may be replaced after build)."""
+        return bool(self._native and getattr(self.template, "closed_form_vjp", False))
 
     def refresh(self) -> None:
         """Re-stack the current values (after an optimizer step)."""

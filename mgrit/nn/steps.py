@@ -24,6 +24,9 @@ class SmoothReLU(nn.Module):
             raise ValueError(f"SmoothReLU eps={eps!r} is not allowed: use a number > 0")
         self.eps = float(eps)
 
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
     def forward(self, x):
         e = self.eps
         quad = (x + e) ** 2 / (4 * e)
@@ -47,7 +50,7 @@ def _act_derivative(act: nn.Module, z: torch.Tensor) -> torch.Tensor:
         t = torch.tanh(z)
         return 1 - t * t
     if type(act) is nn.ReLU:
-        return (z > 0).to(z.dtype)
+        return torch.where(z <= 0, 0.0, 1.0).to(z.dtype)  # NaN -> 1, as autograd
     if type(act) is SmoothReLU:
         e = act.eps
         return torch.where(z >= e, 1.0, torch.where(z <= -e, 0.0, (z + e) / (2 * e))).to(z.dtype)

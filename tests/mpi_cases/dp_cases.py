@@ -291,6 +291,59 @@ def check_buckets_match_average_gradients():
             raise AssertionError(f"bucket_bytes={bad!r} accepted")
 
 
+def _raises(exc_type, fn, *words):
+    try:
+        fn()
+    except exc_type as exc:
+        for w in words:
+            assert w in str(exc), (w, str(exc))
+        return str(exc)
+    raise AssertionError(f"{exc_type.__name__} not raised")
+
+
+def check_buckets_errors():
+    """Review findings: a model converted after construction (grads attached) is rejected on
+    every rank; a bad weight on one rank raises on every rank; a tensor/module instead of a
+    parameter list is a TypeError; a parameter listed twice is averaged once; None grads stay
+    None at construction."""
+    size, rank = COMM.Get_size(), COMM.Get_rank()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    gb = GradientBuckets(m.parameters(), COMM)
+    assert m.weight.grad is None, "construction must keep None gradients None"
+    m(torch.ones(4, 3)).sum().backward()
+    gb.average()
+    m.double()  # converts the attached .grad views in place
+    m(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+    _raises(ValueError, gb.average, "build a new GradientBuckets", "float64")
+    _raises(ValueError, lambda: gb.zero_grad(set_to_none=False), "build a new GradientBuckets")
+    # a bad weight on the last rank only: every rank raises the same message, no hang
+    q = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    q.grad = torch.ones(2, dtype=torch.float64)
+    gq = GradientBuckets([q], COMM)
+    for bad in (float("nan"), "0.5", True, float("inf")):
+        w = bad if rank == size - 1 else 0.5
+        msgs = COMM.allgather(_raises(ValueError, lambda: gq.average(weight=w), "weight="))
+        assert len(set(msgs)) == 1 and f"rank {size - 1}" in msgs[0], msgs
+        msgs = COMM.allgather(_raises(ValueError, lambda: average_gradients([q], COMM, weight=w),
+                                      "weight="))
+        assert len(set(msgs)) == 1, msgs
+    assert torch.equal(q.grad, torch.ones(2, dtype=torch.float64)), "touched before the error"
+    assert gq.average(weight=0.0) == 1 and not q.grad.any()  # 0 is allowed (an empty shard)
+    _raises(TypeError, lambda: GradientBuckets(m.weight, COMM), "iterable of tensors", "Parameter")
+    _raises(TypeError, lambda: GradientBuckets(m, COMM), "Linear")
+    _raises(TypeError, lambda: average_gradients(m, COMM), "Linear")
+    _raises(TypeError, lambda: GradientBuckets([q], None), "communicator")
+    # tied parameter listed twice, small buckets, weights summing to more than 1
+    t = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    for fn in (lambda: GradientBuckets([t, t], COMM, bucket_bytes=8).average(weight=1.0),
+               lambda: average_gradients([t, t], COMM, bucket_bytes=8, weight=1.0)):
+        t.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        assert fn() == 1, "a duplicate must not get its own bucket"
+        want = float(sum(range(1, size + 1)))
+        assert torch.equal(t.grad, torch.full((3,), want, dtype=torch.float64)), t.grad
+
+
 def check_weight():
     rank = COMM.Get_rank()
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
