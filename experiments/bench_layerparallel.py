@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
 from mgrit import perf  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from layerparallel_calibration import (calibrate as _calibrate, costs_from_json,  # noqa: E402
-                                      costs_to_json, median_costs)
+from layerparallel_calibration import (calibrate as _calibrate, costs_to_json,  # noqa: E402
+                                      median_costs, model_section)
 
 WIDTH, BATCH = 8, 64
 
@@ -93,15 +93,6 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh):
         comm.Barrier()
     return _calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, CLOCK,
                       solver_options=lp.fwd_opts, one_at_a_time=one_at_a_time)
-
-
-def p2_costs(per_rank):
-    """Costs for the P = 2 model from both ranks' calibrations: MGRIT's (ranks work at once,
-    the critical path waits for the slower one) field-wise max; the serial costs (the blocking
-    chain's ranks work in turn, so their times add up) the mean."""
-    import dataclasses
-    slow, mean = median_costs(per_rank, max), median_costs(per_rank)
-    return dataclasses.replace(slow, serial_fwd=mean.serial_fwd, serial_bwd=mean.serial_bwd)
 
 
 def lp_train_step(lp, x, opt, batch=BATCH):
@@ -367,102 +358,7 @@ def main():
           f"training step {r2[big]['train_ratio']:.2f}x). Measured message cost: latency "
           f"{r2[big]['comm'][0] * 1e6:.1f} us, bandwidth {r2[big]['comm'][1] / 1e9:.2f} GB/s (wall); "
           f"{r2[big]['comm_cpu'][0] * 1e6:.1f} us, {r2[big]['comm_cpu'][1] / 1e9:.2f} GB/s (cpu).", ""]
-    # d. model
-    L += ["## d. Cost model (mgrit.perf), calibrated on this machine", ""]
-    errs = []
-    rows = ["| N | quantity | measured [s] (median) | predicted [s] (median costs) | error of the medians | error, median over repeats |",
-            "|---|---|---|---|---|---|"]
-    for N in Ns:
-        r, c = r1[N], r1[N]["costs"]
-        c2 = p2_costs([costs_from_json(d) for d in r2[N]["costs"]])
-        cc = perf.CommCost(*r2[N]["comm"])
-        m = r["best_m"]
-        fo, bo = opts(m, 2, a.relax), opts(m, 1, a.relax)
-        t1, t2 = perf.training_times(N, 1, c, fo, bo, 2, 1, cc), perf.training_times(N, 2, c2, fo, bo, 2, 1, cc)
-        # per repeat: the prediction from that repeat's calibration vs that repeat's runs
-        per1 = [perf.training_times(N, 1, ci, fo, bo, 2, 1, cc) for ci in r["cal_raw"]]
-        per2 = [perf.training_times(N, 2, p2_costs([costs_from_json(d[i]) for d in
-                                                    r2[N]["costs_raw"]]), fo, bo, 2, 1, cc)
-                for i in range(len(r2[N]["costs_raw"][0]))]
-        t, w, tr, wr = r["tb"], r2[N], r["tb_raw"], r2[N]["raw"]
-        for name, meas, pred, meas_i, pred_i in [
-                ("P=1 serial fwd", t["serial_fwd"], t1["serial"]["forward"], tr["serial_fwd"],
-                 [q["serial"]["forward"] for q in per1]),
-                ("P=1 MGRIT fwd", t["mgrit_fwd_cold"], t1["mgrit"]["forward"], tr["mgrit_fwd_cold"],
-                 [q["mgrit"]["forward"] for q in per1]),
-                ("P=1 serial train", t["serial"], t1["serial"]["train"], tr["serial"],
-                 [q["serial"]["train"] for q in per1]),
-                ("P=1 MGRIT train", t["mgrit"], t1["mgrit"]["train"], tr["mgrit"],
-                 [q["mgrit"]["train"] for q in per1]),
-                ("P=2 chain fwd", w["chain_fwd"], t2["layerwise"]["forward"], wr["chain_fwd"],
-                 [q["layerwise"]["forward"] for q in per2]),
-                ("P=2 MGRIT fwd", w["mgrit_fwd"], t2["mgrit"]["forward"], wr["mgrit_fwd"],
-                 [q["mgrit"]["forward"] for q in per2]),
-                ("P=2 chain train", w["chain_train"], t2["layerwise"]["train"], wr["chain_train"],
-                 [q["layerwise"]["train"] for q in per2]),
-                ("P=2 MGRIT train", w["mgrit_train"], t2["mgrit"]["train"], wr["mgrit_train"],
-                 [q["mgrit"]["train"] for q in per2])]:
-            e = (pred - meas) / meas
-            ep = med([(b - a) / a for a, b in zip(meas_i, pred_i)])
-            errs.append(abs(ep))
-            rows.append(f"| {N} | {name} | {meas:.4f} | {pred:.4f} | {e * 100:+.0f}% | {ep * 100:+.0f}% |")
-        sim = perf.simulate(N, 2, fo)
-        got = [{k: s[k] for k in ("steps_single", "steps_batched_calls", "steps_batched_items", "messages")}
-               for s in r2[N]["stats"]]
-        want = [{k: v for k, v in sim.rank(q).items() if k != "allreduces"} for q in range(2)]
-        rows.append(f"| {N} | P=2 op counts per rank (measured == model) | {got} | {want} | "
-                    f"{'equal' if got == want else 'DIFFER'} | |")
-    e1, e2 = max(errs[i] for i in range(len(errs)) if i % 8 < 4), max(errs[i] for i in range(len(errs)) if i % 8 >= 4)
-    L += rows + ["", f"Max |error| (median over repeats of the per-repeat error): P = 1 {e1 * 100:.0f}%, "
-                 f"P = 2 {e2 * 100:.0f}% (target 25%: "
-                 f"**{'MET' if max(errs) <= 0.25 else 'MISSED'}**). Calibration: every repeat "
-                 f"re-measures the model's inputs right after its measured runs (P = 1 in the "
-                 f"1-process part, with its clock; P = 2 on both ranks at once in the 2-rank job, "
-                 f"wall clock: MGRIT's costs on both ranks at once, with the contention of two busy "
-                 f"cores, the serial costs one rank at a time, as the chain runs) and "
-                 f"the model uses the medians over repeats (P = 2: MGRIT's costs of the slower rank, "
-                 f"the serial costs averaged over the ranks); the measured runs are never inputs. Message cost "
-                 f"from the 2-rank ping-pong (wall clock).", ""]
-    c, cc = r1[big]["costs"], perf.CommCost(*r2[big]["comm"])
-    c2 = p2_costs([costs_from_json(d) for d in r2[big]["costs"]])
-    L += ["Calibrated costs (N = %d; P = 1: one process; P = 2: MGRIT's of the slower rank, serial averaged over the ranks):" % big, "",
-          "| P | fwd step single [us] | fwd batched [us/call + us/interval] | adjoint single [us] | "
-          "adjoint batched [us/call + us/interval] | serial fwd / bwd per layer [us] | backward outside "
-          "the adjoint solve per layer [us] | optimizer / stacking per layer [us] |",
-          "|---|---|---|---|---|---|---|---|"]
-    for P, k in ((1, c), (2, c2)):
-        L.append(f"| {P} | {k.fwd.single * 1e6:.1f} | {k.fwd.call * 1e6:.1f} + {k.fwd.item * 1e6:.2f} | "
-                 f"{k.adj.single * 1e6:.1f} | {k.adj.call * 1e6:.1f} + {k.adj.item * 1e6:.2f} | "
-                 f"{k.serial_fwd * 1e6:.1f} / {k.serial_bwd * 1e6:.1f} | {k.pgrad_item * 1e6:.2f} | "
-                 f"{k.per_layer * 1e6:.2f} / {k.refresh * 1e6:.2f} |")
-    L += ["", "Backward outside the adjoint solve = the adjoint's linearization + the batched "
-          "parameter-gradient sweep + the autograd bridge (the engine handing one gradient per "
-          "parameter tensor to the optimizer).", ""]
-    N64 = 4096
-    ko = opts(64, 2, a.relax)
-    L += [f"Kirby's setting (N = {N64}, P = 64, 2 levels, m = 64, 2 iterations), predicted speedup "
-          f"over layer-wise model parallelism, with the per-rank costs calibrated here: `dedicated` "
-          f"= the 1-process costs (a rank with a core to itself, as Kirby's one GPU per rank), "
-          f"`shared` = the 2-rank costs (two ranks contending for this VM's memory system):", "",
-          "| per-rank costs | message cost | forward solve | forward excl. parameter stacking | training step (adjoint MGRIT, 1 it) |",
-          "|---|---|---|---|---|"]
-    sks = {}
-    for cname, ck in (("dedicated", c), ("shared", c2)):
-        for name, cm in [(f"measured here ({cc.latency * 1e6:.0f} us latency)", cc),
-                         ("nominal interconnect (10 us, 10 GB/s)", perf.CommCost(10e-6, 10e9))]:
-            tk = perf.training_times(N64, 64, ck, ko, opts(64, 1, a.relax), 2, 1, cm)
-            fx = tk["mgrit"]["forward"] - (N64 // 64) * ck.refresh
-            sks[cname, name[:7]] = tk["layerwise"]["forward"] / tk["mgrit"]["forward"]
-            L.append(f"| {cname} | {name} | {sks[cname, name[:7]]:.1f}x | "
-                     f"{tk['layerwise']['forward'] / fx:.1f}x | "
-                     f"{tk['layerwise']['train'] / tk['mgrit']['train']:.1f}x |")
-    unit = perf.StepCost(1.0, 0.0, 1.0)  # Kirby's arithmetic: every step costs the same, free messages
-    su = N64 / perf.simulate(N64, 64, ko, 2, tau=unit, comm=perf.CommCost(0.0, 1e30)).critical_path
-    L.append(f"| unit step cost | free messages (operation count on the critical path) | {su:.1f}x | - | - |")
-    kd, ks = sks["dedicated", "nominal"], sks["shared", "nominal"]
-    L += ["", f"Target >= 10x (forward, Kirby's setting, nominal interconnect): "
-          f"**{'MET' if kd >= 10 else 'MISSED'}** with dedicated per-rank costs ({kd:.1f}x); "
-          f"{ks:.1f}x with shared ones.", ""]
+    L += model_section(r1, r2, Ns, a.relax, opts)  # d
     L += ["## e. Memory per rank (saved-for-backward tensors + MGRIT states + stacked parameters)", "",
           "| N | serial [KiB] | MGRIT P=1 [KiB] | chain P=2 ranks [KiB] | MGRIT P=2 ranks [KiB] |", "|---|---|---|---|---|"]
     for N in Ns:

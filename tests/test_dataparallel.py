@@ -38,8 +38,10 @@ for k in (2, 4):
     for kind in ("count", "shape", "values"):
         BATCH.add(k, f"mismatched_replicas-{kind}", f"{C}:check_mismatched_replicas", kind=kind)
     for name in ("bucket_counts", "mixed_dtypes", "none_grads", "weight", "bad_arguments",
-                 "broadcast_fixes_values", "buckets_match_average_gradients", "buckets_errors"):
+                 "broadcast_fixes_values"):
         BATCH.add(k, name, f"{C}:check_{name}")
+    for name in ("buckets_match_average_gradients", "buckets_errors"):
+        BATCH.add(k, name, f"tests.mpi_cases.gradbuckets_cases:check_{name}")
 
 
 @pytest.mark.parametrize("k,name", BATCH.ids())
