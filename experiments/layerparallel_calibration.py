@@ -117,17 +117,18 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, r
     i0 = N - first - n + 1  # reversed index of this rank's last layer + 1
     kw = dict(sizes=sizes, repeats=repeats, inner=inner, clock=clock)
     with torch.no_grad():
-        # single steps as the coarse sweep applies them: the C-point layers in turn; the
-        # adjoint builds each layer's graph once per solve (a fresh chain per step)
-        cs = itertools.cycle(range(0, n, m))
+        # single steps as sequential sweeps apply them (one-interval F-relaxations, coarse
+        # sweeps): consecutive layers; the adjoint builds each layer's graph once per solve (a
+        # fresh chain per step)
+        cs = itertools.cycle(range(n))
         fwd = perf.calibrate_step(
-            lambda: ch.step(u1, *(lambda j: (first + j, first + j + m))(next(cs)), 1),
+            lambda: ch.step(u1, *(lambda j: (first + j, first + j + 1))(next(cs)), 0),
             lambda B: ch.step_batch(U[B], range(first + 1, first + 1 + B * sd[B], sd[B]),
                                     range(first + 2, first + 2 + B * sd[B], sd[B]), 0), **kw)
         adj = AdjointChain(ch, N, lp._states)
         adj_cost = perf.calibrate_step(
             lambda: AdjointChain(ch, N, lp._states).step(
-                u1, *(lambda i: (i, i + m))(N - 1 - first - next(cs)), 1),
+                u1, *(lambda i: (i, i + 1))(N - 1 - first - next(cs)), 0),
             lambda B: adj.step_batch(U[B], range(i0, i0 + B * sd[B], sd[B]),
                                      range(i0 + 1, i0 + 1 + B * sd[B], sd[B]), 0), **kw)
     fwd_t, train_t = {}, {}
