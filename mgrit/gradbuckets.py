@@ -88,24 +88,29 @@ class GradientBuckets:
                     if p.grad is not None:  # None stays None (torch's semantics)
                         v.copy_(p.grad)
                         p.grad = v
-                self._buckets.append((flat, n, bucket, offsets, shapes, views))
+                ptrs = [q.data_ptr() for q in bucket]  # a conversion moves the storage
+                self._buckets.append((flat, n, bucket, offsets, shapes, views, ptrs))
 
     @property
     def num_buckets(self) -> int:
         """Number of flat buffers (= ``Allreduce`` calls per :meth:`average`)."""
         return len(self._buckets)
 
-    def _views(self, flat, params, offsets, shapes, views) -> list:
-        """The buffer views, checked: a parameter that changed dtype/device/shape raises
-        ValueError; a view that ``Module._apply`` converted in place is made again."""
-        for i, (p, o, shape) in enumerate(zip(params, offsets, shapes)):
-            if (p.dtype, p.device, p.shape) != (flat.dtype, flat.device, shape):
+    def _views(self, flat, params, offsets, shapes, views, ptrs) -> list:
+        """The buffer views, checked: a parameter whose storage moved (``.to()``,
+        ``.double()``, ``p.data = ...``) is re-examined: a changed dtype/device/shape raises
+        ValueError; otherwise its view is made again (``Module._apply`` may have converted the
+        old one in place). One pointer comparison per parameter on the common path."""
+        for i, q in enumerate(params):
+            if q.data_ptr() == ptrs[i]:
+                continue
+            o, shape = offsets[i], shapes[i]
+            if (q.dtype, q.device, q.shape) != (flat.dtype, flat.device, shape):
                 raise ValueError(f"parameter {i} of shape {tuple(shape)} {flat.dtype} on "
-                                 f"{flat.device} is now {tuple(p.shape)} {p.dtype} on {p.device}: "
+                                 f"{flat.device} is now {tuple(q.shape)} {q.dtype} on {q.device}: "
                                  f"build a new GradientBuckets after .to()/.double()/.cuda()")
-            v = views[i]
-            if v.dtype != flat.dtype or v.data_ptr() != flat[o:].data_ptr():
-                views[i] = flat[o:o + p.numel()].view(shape)
+            views[i] = flat[o:o + q.numel()].view(shape)
+            ptrs[i] = q.data_ptr()
         return views
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -113,12 +118,12 @@ class GradientBuckets:
         the views as the ``.grad`` tensors (``set_to_none=False``; see the class doc).
         Raises ValueError if a parameter changed dtype, device or shape (see the class doc)."""
         with torch.no_grad():
-            for flat, _, params, offsets, shapes, views in self._buckets:
+            for flat, _, params, offsets, shapes, views, ptrs in self._buckets:
                 if set_to_none:
                     for p in params:
                         p.grad = None
                     continue
-                views = self._views(flat, params, offsets, shapes, views)
+                views = self._views(flat, params, offsets, shapes, views, ptrs)
                 flat.zero_()
                 for p, v in zip(params, views):
                     if p.grad is not v:
@@ -132,16 +137,16 @@ class GradientBuckets:
         a gradient. Errors (a changed parameter, a bad ``weight``) are raised on every rank
         before any gradient is communicated."""
         error = _weight_error(weight)
-        for flat, _, params, offsets, shapes, views in self._buckets:
+        for flat, _, params, offsets, shapes, views, ptrs in self._buckets:
             try:
-                self._views(flat, params, offsets, shapes, views)
+                self._views(flat, params, offsets, shapes, views, ptrs)
             except ValueError as exc:
                 error = error or str(exc)
         if weight is not None or error:  # rank-local checks: agreed before any Allreduce
             raise_agreed(self.comm, error)
         if self.comm.Get_size() == 1 and weight is None:
             return 0
-        for flat, n, params, offsets, shapes, views in self._buckets:
+        for flat, n, params, offsets, shapes, views, ptrs in self._buckets:
             t0 = time.perf_counter()
             with torch.no_grad():
                 has_grad = []
@@ -156,5 +161,8 @@ class GradientBuckets:
                 timings["pack"] = timings.get("pack", 0.0) + time.perf_counter() - t0
             has = _reduce_bucket(self.comm, flat, n, has_grad, weight, timings)
             for p, v, h in zip(params, views, has):
-                p.grad = v if h else None
+                if not h:
+                    p.grad = None
+                elif p.grad is not v:  # (the setter validates: skip it when already set)
+                    p.grad = v
         return len(self._buckets)
