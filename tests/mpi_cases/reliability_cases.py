@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import warnings
@@ -238,7 +237,6 @@ def _bad_inputs(tmp):
     from mgrit.faults import phase
     from mgrit.grid import Hierarchy, Partition
     from mgrit.procgrid import ProcessGrid
-    from mgrit.propagator import Propagator
     from mgrit.solver import MGRIT
 
     comm = MPI.COMM_WORLD
