@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from mgrit.dataparallel import average_gradients, check_replicas_consistent
+from mgrit.dataparallel import GradientBuckets, check_replicas_consistent
 from mgrit.procgrid import ProcessGrid
 
 from .common import check_int, make_optimizer, shard
@@ -199,9 +199,13 @@ class DecoupledPipeline:
         tot = np.zeros((K, 3))
         weight = [None]
 
+        buckets = {}  # per stage: persistent flat gradient buffers (built alike on replicas)
+
         def avg(k):
             if D > 1:
-                average_gradients(m.stage_parameters(k), g.data_comm, weight=weight[0])
+                if k not in buckets:
+                    buckets[k] = GradientBuckets(m.stage_parameters(k), g.data_comm)
+                buckets[k].average(weight=weight[0])
 
         specs = None if self._first else [(_TAG_ACT, m.dtype, m.in_shapes[self.owned[0]], max_n),
                                           (_TAG_LAB, torch.int64, (), max_n)]

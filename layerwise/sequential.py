@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from mgrit.dataparallel import average_gradients
+from mgrit.dataparallel import GradientBuckets
 
 from .common import (check_float, check_int, global_batches, make_optimizer, module_dtype,
                      output_shapes, shard)
@@ -156,6 +156,7 @@ class SequentialTrainer:
         d = comm.Get_rank() if comm is not None else 0
         net = nn.Sequential(*modules)
         params = [p for p in net.parameters() if p.requires_grad]
+        buckets = GradientBuckets(params, comm) if D > 1 else None  # persistent flat buffers
         net.train()
         tot = np.zeros(3)
         for b in global_batches(len(y), self.batch_size, self.seed, self._epoch, D):
@@ -164,9 +165,8 @@ class SequentialTrainer:
             loss = F.cross_entropy(logits, y[idx])
             opt.zero_grad()
             loss.backward()
-            if D > 1:
-                average_gradients(params, comm,
-                                  weight=None if len(b) % D == 0 else len(idx) / len(b))
+            if buckets is not None:
+                buckets.average(weight=None if len(b) % D == 0 else len(idx) / len(b))
             opt.step()
             tot += (float(loss.detach()) * len(idx), int((logits.argmax(1) == y[idx]).sum()), len(idx))
         if D > 1:
