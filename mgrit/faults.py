@@ -175,6 +175,9 @@ def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1) -> None:
             traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
             sys.stderr.flush()
             sys.stdout.flush()
+            # let the launcher's proxy forward the message before the abort kills the job
+            # (MPICH's hydra was seen to drop the stdio of an aborting job, rarely, under load)
+            time.sleep(0.2)
         finally:
             comm.Abort(exit_code)
 

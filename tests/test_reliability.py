@@ -150,6 +150,10 @@ def test_fault_injection_trials():
     assert {t[0] for t in trials} == {2, 3, 4} and len(trials) >= 20
     with ThreadPoolExecutor(PARALLEL) as pool:
         results = list(pool.map(_run_trial, trials))
+    # A job that exited non-zero with no output at all lost its stdio in the launcher (seen
+    # once, on a loaded 2-core machine): run that trial once more, alone.
+    results = [_run_trial(r[0]) if (r[1] not in (None, 0) and not r[2].strip()) else r
+               for r in results]
     problems = []
     for (P, rank, phase_name, entry, with_m), rc, out, wall, t_end in results:
         tag = f"P={P} rank={rank} phase={phase_name!r} entry={entry} -m mpi4py={with_m}"
