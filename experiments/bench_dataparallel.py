@@ -20,10 +20,10 @@ Throughput, P_D = 2 vs 1, on two models trained with SGD + momentum on ``mnist5k
   on this VM (two ranks on two cores run them at 1.7x, not 2x, before any communication).
 
 Each P_D = 2 model is timed with three averaging paths side by side:
-:class:`mgrit.dataparallel.GradientBuckets` with its default ``zero_grad()`` (``buckets``: fresh
+:class:`mgrit.parallel.dataparallel.GradientBuckets` with its default ``zero_grad()`` (``buckets``: fresh
 gradients packed into persistent buffers, in-place Allreduce, views become ``.grad``) and with
 ``zero_grad(set_to_none=False)`` (``views``: backward accumulates into the buffers), and
-:func:`mgrit.dataparallel.average_gradients` (``pack``: pack into a fresh buffer, Allreduce,
+:func:`mgrit.parallel.dataparallel.average_gradients` (``pack``: pack into a fresh buffer, Allreduce,
 unpack). Time per step = max over ranks, median of ``--steps`` timed steps after 2 warm-up
 steps; throughput = global batch / time per step. ``--pairs`` alternating P_D = 1 / P_D = 2
 launches (default 3) so that slow drifts of the machine's speed hit both sides; speed-ups are
@@ -76,7 +76,7 @@ def many_tensors():
 def time_allreduce(model, comm, bucket_bytes, reps=30):
     import numpy as np
     import torch
-    from mgrit.dataparallel import average_gradients
+    from mgrit.parallel.dataparallel import average_gradients
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     out, calls = [], 0
@@ -99,7 +99,7 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
     from mpi4py import MPI
 
     from data import GlobalBatchSampler
-    from mgrit.dataparallel import GradientBuckets, average_gradients, check_replicas_consistent
+    from mgrit.parallel.dataparallel import GradientBuckets, average_gradients, check_replicas_consistent
 
     comm = MPI.COMM_WORLD
     net = {"mlp": mlp, "cnn": cnn}[name]()
@@ -164,7 +164,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     from data import load_dataset
-    from mgrit.procgrid import ProcessGrid
+    from mgrit.parallel.procgrid import ProcessGrid
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -240,7 +240,7 @@ def main() -> None:
             two = next(r for r in b["runs"] if r["model"] == name and r["averaging"] == mode)
             out.append(one[key] / two[key] if inverse else two[key] / one[key])
         return statistics.median(out)
-    import reporting
+    from mgrit.training import report as reporting
     commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     defaults = (args.steps, args.global_batch, args.cnn_batch, args.pairs) == (10, 512, 128, 3)
     cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + ("" if defaults else

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from mgrit.nn import DenseStep, LayerParallelResNet, make_step  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-import reporting  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 
 
 def timed(fn, dev, repeats):

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
 from mgrit import perf  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from layerparallel_calibration import (calibrate as _calibrate, costs_to_json,  # noqa: E402
+from mgrit.perf.calibration import (calibrate as _calibrate, costs_to_json,  # noqa: E402
                                       median_costs, model_section)
 
 WIDTH, BATCH = 8, 64
@@ -310,7 +310,7 @@ def main():
     load1 = os.getloadavg()
     L = []
     cmd = " ".join([Path(sys.executable).name, *sys.argv])
-    import reporting
+    from mgrit.training import report as reporting
     commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     L += ["# Layer-parallel benchmarks (`experiments/bench_layerparallel.py`)", "",
           f"- command: `{cmd}`", f"- git commit: {commit}",

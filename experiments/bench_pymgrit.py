@@ -122,7 +122,7 @@ def launch(nprocs: int, args) -> dict:
 
 
 def git_commit() -> str:
-    import reporting
+    from mgrit.training import report as reporting
     return reporting.run_metadata()["commit"]
 
 

@@ -8,13 +8,13 @@ Usage (from the repository root, on a machine with a GPU and the venv)::
 
 The driver launches ``mpiexec -n 2 python -m mpi4py experiments/gpu_check.py --worker`` (venv's
 mpiexec; ``$LAYERPAR_MPIEXEC`` overrides). Each rank takes its device from
-:func:`mgrit.procgrid.device_for_rank` (local rank modulo the visible GPUs: both ranks share a
+:func:`mgrit.parallel.procgrid.device_for_rank` (local rank modulo the visible GPUs: both ranks share a
 single GPU) and checks, against the same computation on the CPU in the same process:
 
 1. ``P_L = 2 x P_D = 1``: one SGD step of opening -> 8-layer MGRIT ResNet -> closing, state
    messages between the ranks staged through host memory (or CUDA-aware MPI);
 2. ``P_L = 1 x P_D = 2``: two SGD steps with gradients averaged over the 2 replicas by
-   :func:`mgrit.dataparallel.average_gradients` on CUDA buffers (CUDA-aware MPI when
+   :func:`mgrit.parallel.dataparallel.average_gradients` on CUDA buffers (CUDA-aware MPI when
    ``mgrit.comm.cuda_aware()``, else staged through host memory).
 
 Tolerance: 1e-10 relative on every parameter after the step(s) (GPU kernels round differently
@@ -65,7 +65,7 @@ def _layer_parallel_step(comm, device, steps=1):
 
 def _data_parallel_steps(comm, device, steps=2):
     import torch
-    from mgrit.dataparallel import average_gradients
+    from mgrit.parallel.dataparallel import average_gradients
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Tanh(),
@@ -92,8 +92,8 @@ def worker(force_cpu: bool) -> int:
     from mpi4py import MPI
 
     from mgrit.comm import cuda_aware
-    from mgrit.faults import fail_fast
-    from mgrit.procgrid import ProcessGrid
+    from mgrit.training.faults import fail_fast
+    from mgrit.parallel.procgrid import ProcessGrid
 
     fail_fast(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD

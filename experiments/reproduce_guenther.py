@@ -94,7 +94,7 @@ def parse_args(argv=None):
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import reporting  # noqa: E402  (light: stdlib + numpy)
+from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
 
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
@@ -104,7 +104,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from experiments.guenther_parts import Problem, lbfgs_armijo  # noqa: E402
+from mgrit.training.guenther import Problem, lbfgs_armijo  # noqa: E402
 from mgrit.nn import DenseStep  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 

@@ -72,7 +72,7 @@ def parse_args(argv=None):
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import reporting  # noqa: E402  (light: stdlib + numpy)
+from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
 
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
@@ -150,7 +150,7 @@ def main(argv=None):
     rank, P = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     from layerwise import train_layerwise
-    from mgrit.procgrid import ProcessGrid
+    from mgrit.parallel.procgrid import ProcessGrid
 
     meta = reporting.run_metadata(world_size=P)
     meta.update({f"setting_{k}": v for k, v in vars(args).items() if k != "task_list"})

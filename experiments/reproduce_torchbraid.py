@@ -17,7 +17,7 @@ Configurations, all from the same initialization and the same global batch order
 machine hits them alike), each timed per epoch (sum of its steps, max over its ranks):
   * ``serial``: plain autograd on one rank;
   * ``layer``: layer-parallel over all W ranks (MGRIT forward, adjoint-MGRIT backward);
-  * ``data``: data-parallel over W ranks, each a serial replica (``mgrit.dataparallel``);
+  * ``data``: data-parallel over W ranks, each a serial replica (``mgrit.parallel.dataparallel``);
   * ``layer x data``: W/2 layer ranks x 2 replicas (only when W >= 4).
 Test accuracy: serial exactly; layer-parallel with the inexact MGRIT forward (as TorchBraid
 tests) and with the exact serial forward of the same weights.
@@ -36,11 +36,11 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
-from experiments import reporting  # noqa: E402
-from mgrit.dataparallel import average_gradients  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
+from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, TwoConvStep, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.procgrid import ProcessGrid  # noqa: E402
+from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
 
 STUDY = "torchbraid_mnist"
 

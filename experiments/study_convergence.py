@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
-from experiments import reporting  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 

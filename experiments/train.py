@@ -25,7 +25,7 @@ Methods (``--method``):
 Data: every layer rank of a replica loads the same data set (bundled ``mnist5k``, ``digits``,
 ``peaks``; any name of ``data.available_datasets()`` with ``--data-root``), split with
 ``--seed``; every global batch (``--batch-size``) is sharded over the ``dp`` replicas by
-``data.GlobalBatchSampler``; gradients are averaged with ``mgrit.dataparallel.GradientBuckets``
+``data.GlobalBatchSampler``; gradients are averaged with ``mgrit.parallel.dataparallel.GradientBuckets``
 (shard-size weighted, so any dp gives the single-replica update).
 
 Threads: with more than one rank torch is set to one intra-op thread per rank
@@ -241,7 +241,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> N
 
 # ----------------------------------------------------------------------------- training
 def main(argv=None) -> int:
-    from mgrit.faults import fail_fast
+    from mgrit.training.faults import fail_fast
     fail_fast(MPI.COMM_WORLD)  # an exception on any rank ends the job, naming rank and phase
     world_comm = MPI.COMM_WORLD
     world, wrank = world_comm.Get_size(), world_comm.Get_rank()
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     rank0 = wrank == 0
     say = (lambda *s: print(*s, flush=True)) if rank0 else (lambda *s: None)
 
-    from mgrit.procgrid import ProcessGrid
+    from mgrit.parallel.procgrid import ProcessGrid
     grid = ProcessGrid(world_comm, data_parallel=a.dp)
 
     # run directory first, so a failing run still leaves its config
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     run = Path(world_comm.bcast(None if run is None else str(run), root=0))
 
     from data import load_dataset
-    from mgrit.faults import phase
+    from mgrit.training.faults import phase
     t_load = time.perf_counter()
     with phase("data loading"):
         train, test = load_dataset(a.dataset, root=a.data_root, seed=a.seed,

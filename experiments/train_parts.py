@@ -69,7 +69,7 @@ def mgrit_options(a):
 # ----------------------------------------------------------------------------- output
 def git_commit() -> str:
     """Commit of the code that ran (``+dirty`` for uncommitted changes), via :mod:`reporting`."""
-    import reporting
+    from mgrit.training import report as reporting
     return reporting.run_metadata()["commit"]
 
 
@@ -129,7 +129,7 @@ def _sampler_batches(a, grid, n, epoch):
 def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, run, config,
                    rank0, say):
     """``--method serial|mgrit``: ordinary training loop; returns (history, final, extra)."""
-    from mgrit.dataparallel import GradientBuckets
+    from mgrit.parallel.dataparallel import GradientBuckets
     from mgrit.nn import LayerParallelNet, LayerParallelResNet, serial_resnet
     opening, closing, state_shape = build_opening_closing(a, in_shape, num_classes)
     make = step_factory(a)
@@ -144,7 +144,7 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         is_last = net.is_last
         share = net.from_last
         config["warm_start_effective"] = resnet.warm_start
-        from mgrit.faults import instrument_resnet
+        from mgrit.training.faults import instrument_resnet
         instrument_resnet(resnet)
         for name, solver in (("forward", resnet._fsolver), ("adjoint", resnet._bsolver)):
             lv = solver.hierarchy.levels
@@ -169,10 +169,10 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
     # Allreduce per step, no pack/unpack copies)
     buckets = GradientBuckets(params, grid.data_comm) if grid.data_size > 1 else None
     loss_fn = nn.functional.cross_entropy
-    from mgrit.faults import phase
+    from mgrit.training.faults import phase
     guard = None
     if mg and a.guard != "off":
-        from mgrit.guard import ConvergenceGuard
+        from mgrit.training.guard import ConvergenceGuard
         guard = ConvergenceGuard(window=3, threshold=1.0, action=a.guard,
                                  log_path=str(run / "guard.jsonl"))
     ckpt = None
@@ -181,7 +181,7 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
         ckpt = str(run / name)  # replicas keep their own RNG states
 
     def save(epoch, batch, tot, hist):
-        from mgrit.checkpoint import save_checkpoint
+        from mgrit.training.checkpoint import save_checkpoint
         extra = {"epoch": epoch, "batch": batch, "tot": list(map(float, tot)), "hist": hist,
                  "sampler_seed": a.seed, "guard": guard.state_dict() if guard else None}
         with phase("checkpoint"):
@@ -190,7 +190,7 @@ def run_end_to_end(a, grid, xtr, ytr, xte, yte, in_shape, num_classes, dtype, ru
 
     start_epoch, start_batch, start_tot, resumed_hist = 0, 0, np.zeros(3), None
     if mg and a.resume:
-        from mgrit.checkpoint import load_checkpoint
+        from mgrit.training.checkpoint import load_checkpoint
         with phase("checkpoint"):
             extra = load_checkpoint(a.resume, net.resnet, opt, grid.layer_comm,
                                     opening=net.opening, closing=net.closing)

@@ -1,4 +1,4 @@
-"""DGL pipelined across MPI ranks: stages x replicas on a :class:`mgrit.procgrid.ProcessGrid`.
+"""DGL pipelined across MPI ranks: stages x replicas on a :class:`mgrit.parallel.procgrid.ProcessGrid`.
 
 Layer rank ``r`` of a replica owns a contiguous group of the ``K`` stages (one per rank, or
 ``stages_per_rank``); the stages of a replica form a pipeline along ``grid.layer_comm``. Per
@@ -18,7 +18,7 @@ Asynchronous variant: every stage but the first samples its input from a bounded
 
 Every configuration check happens in ``__init__`` before any message and is a pure function
 of the arguments, so bad configurations raise the same ``ValueError`` on every rank. Launch
-with ``python -m mpi4py`` (or call :func:`mgrit.faults.fail_fast`) so an exception on
+with ``python -m mpi4py`` (or call :func:`mgrit.training.faults.fail_fast`) so an exception on
 one rank aborts the job instead of leaving the neighbours blocked in a receive.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from mgrit.dataparallel import GradientBuckets, check_replicas_consistent
-from mgrit.procgrid import ProcessGrid
+from mgrit.parallel.dataparallel import GradientBuckets, check_replicas_consistent
+from mgrit.parallel.procgrid import ProcessGrid
 
 from .common import check_int, make_optimizer, shard
 from .decoupled import DecoupledModel, stage_step, summarize

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from mgrit.dataparallel import GradientBuckets
+from mgrit.parallel.dataparallel import GradientBuckets
 
 from .common import (check_float, check_int, global_batches, make_optimizer, module_dtype,
                      output_shapes, shard)

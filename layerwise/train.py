@@ -44,7 +44,7 @@ def train_layerwise(method: str, layers: Sequence[nn.Module], num_classes: int, 
         num_classes: C; the loss is cross-entropy on int64 labels.
         train_x, train_y, test_x, test_y: numpy arrays or tensors, ``(n, *in_shape)`` float and
             ``(n,)`` int labels; converted to the layers' dtype. The test set is optional.
-        grid: :class:`mgrit.procgrid.ProcessGrid` (stages x replicas) or None (one process).
+        grid: :class:`mgrit.parallel.procgrid.ProcessGrid` (stages x replicas) or None (one process).
             ``sequential`` needs ``grid.layer_size == 1`` (replicas only).
         epochs: decoupled: epochs; sequential: epochs per layer (default 10).
         batch_size: global batch size, split over the replicas (equal shards give exactly the

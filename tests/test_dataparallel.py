@@ -11,8 +11,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mgrit.dataparallel import average_gradients, check_replicas_consistent
-from mgrit.procgrid import ProcessGrid, check_grid_shape, device_for_rank
+from mgrit.parallel.dataparallel import average_gradients, check_replicas_consistent
+from mgrit.parallel.procgrid import ProcessGrid, check_grid_shape, device_for_rank
 from tests.mpi_harness import MPIBatch
 
 C = "tests.mpi_cases.dp_cases"

@@ -131,7 +131,7 @@ def test_layerparallel_calibration_helpers():
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-    import layerparallel_calibration as cal
+    from mgrit.perf import calibration as cal
 
     from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet
 

@@ -4,9 +4,9 @@ import torch
 from mpi4py import MPI
 
 from data import GlobalBatchSampler, load_dataset
-from mgrit.dataparallel import (GradientBuckets, average_gradients, broadcast_parameters,
+from mgrit.parallel.dataparallel import (GradientBuckets, average_gradients, broadcast_parameters,
                                 check_replicas_consistent)
-from mgrit.procgrid import ProcessGrid, device_for_rank
+from mgrit.parallel.procgrid import ProcessGrid, device_for_rank
 
 COMM = MPI.COMM_WORLD
 _DATA = {}

@@ -5,7 +5,7 @@ Run (with or without ``-m mpi4py``)::
     LAYERPAR_INJECT_FAULT="1:coarse solve" mpiexec -n 3 python tests/mpi_cases/fault_job.py
 
 Without injection it trains 3 steps and exits 0; with it, the selected rank raises in that
-phase and :func:`mgrit.faults.fail_fast` aborts the whole job (non-zero exit, message
+phase and :func:`mgrit.training.faults.fail_fast` aborts the whole job (non-zero exit, message
 ``rank R failed in phase P``).
 """
 import os
@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 
 from mpi4py import MPI  # noqa: E402
 
-from mgrit.faults import fail_fast, instrument_resnet, phase  # noqa: E402
+from mgrit.training.faults import fail_fast, instrument_resnet, phase  # noqa: E402
 
 
 def main():

@@ -3,7 +3,7 @@ with average_gradients and the errors found in review (each rank asserts on its 
 import torch
 from mpi4py import MPI
 
-from mgrit.dataparallel import GradientBuckets, average_gradients
+from mgrit.parallel.dataparallel import GradientBuckets, average_gradients
 from tests.mpi_cases.dp_cases import _params
 
 COMM = MPI.COMM_WORLD

@@ -6,7 +6,7 @@ from torch import nn
 
 from layerwise import (DecoupledModel, DecoupledPipeline, DecoupledTrainer, ResidualStep,
                        SequentialTrainer, global_batches, train_layerwise)
-from mgrit.procgrid import ProcessGrid
+from mgrit.parallel.procgrid import ProcessGrid
 
 
 def make_layers(net: str, seed: int = 0):

@@ -1,4 +1,4 @@
-"""Rank-side checks of the reliability suite (mgrit.faults, mgrit.guard, mgrit.checkpoint)."""
+"""Rank-side checks of the reliability suite (mgrit.training.faults, mgrit.training.guard, mgrit.training.checkpoint)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from mgrit.checkpoint import load_checkpoint, save_checkpoint
-from mgrit.guard import ConvergenceGuard
+from mgrit.training.checkpoint import load_checkpoint, save_checkpoint
+from mgrit.training.guard import ConvergenceGuard
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 
@@ -159,7 +159,7 @@ def check_guard(action, log_dir):
     guard = ConvergenceGuard(window=3, threshold=1.0, action=action, max_extra=4,
                              extra_per_trigger=2, log_path=log)
     # more forward cycles so that growth shows within one solve
-    from mgrit.guard import _replace_solver
+    from mgrit.training.guard import _replace_solver
     import dataclasses
     _replace_solver(net.resnet, "forward", dataclasses.replace(net.resnet.fwd_opts, max_iter=4))
     opt.param_groups[0]["lr"] = 0.0  # keep the diverging weights
@@ -199,7 +199,7 @@ def check_guard(action, log_dir):
 def check_nonfinite_state_named():
     """A NaN weight in layer 5: FloatingPointError on every rank (solver or state check)."""
     comm = MPI.COMM_WORLD
-    from mgrit.guard import check_finite_states
+    from mgrit.training.guard import check_finite_states
     net, opt = build(comm, "inexact")
     for j, s in enumerate(net.resnet.steps):
         if net.resnet.first + j == 5:
@@ -234,9 +234,9 @@ class _Res:
 def _bad_inputs(tmp):
     from data import GlobalBatchSampler
     from layerwise import DecoupledModel
-    from mgrit.faults import phase
+    from mgrit.training.faults import phase
     from mgrit.grid import Hierarchy, Partition
-    from mgrit.procgrid import ProcessGrid
+    from mgrit.parallel.procgrid import ProcessGrid
     from mgrit.solver import MGRIT
 
     comm = MPI.COMM_WORLD
@@ -360,7 +360,7 @@ def kill_child(path):
     stalls half-way (the parent SIGKILLs this process there)."""
     import sys
     import time
-    import mgrit.checkpoint as ck
+    import mgrit.training.checkpoint as ck
     x, y = make_data()
     net, opt = build(MPI.COMM_SELF, "exact")
     train_steps(net, opt, 1, x, y)

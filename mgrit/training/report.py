@@ -27,12 +27,13 @@ import numpy as np
 __all__ = ["run_metadata", "results_dir", "save_series", "markdown_table", "write_table",
            "plot_lines", "add_study_flags"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
 
 
 def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict:
     """Command line, git commit (``+dirty`` when the tree has changes), machine, date, load."""
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                                 capture_output=True, text=True, timeout=10).stdout.strip()

@@ -24,11 +24,11 @@ entry (1-based, default 1) of that phase on that rank. Example::
 Phase names used by the library (:data:`PHASES`): ``"forward relaxation"``, ``"coarse solve"``
 (forward MGRIT; see :func:`instrument_resnet`), ``"adjoint"`` (the backward solve),
 ``"data loading"`` and ``"gradient averaging"`` (tagged by the training script), plus
-``"checkpoint"`` (:mod:`mgrit.checkpoint`).
+``"checkpoint"`` (:mod:`mgrit.training.checkpoint`).
 
 Usage in a training script::
 
-    from mgrit.faults import fail_fast, phase, instrument_resnet
+    from mgrit.training.faults import fail_fast, phase, instrument_resnet
     fail_fast(MPI.COMM_WORLD)              # first thing after MPI is up
     instrument_resnet(resnet)              # tags forward relaxation / coarse solve / adjoint
     for ...:
@@ -222,7 +222,7 @@ def instrument_solver(solver, relax_phase: str, coarse_phase: str | None = None)
 def instrument_resnet(resnet) -> None:
     """Tag the forward solve of a :class:`~mgrit.nn.LayerParallelResNet` as
     ``"forward relaxation"`` / ``"coarse solve"`` and the backward solve as ``"adjoint"``.
-    Re-applied automatically by :func:`mgrit.guard.apply_action` after it rebuilds solvers."""
+    Re-applied automatically by :func:`mgrit.training.guard.apply_action` after it rebuilds solvers."""
     instrument_solver(resnet._fsolver, "forward relaxation", "coarse solve")
     instrument_solver(resnet._bsolver, "adjoint", "adjoint")
     resnet._layerpar_instrumented = True

@@ -13,7 +13,7 @@ import torch
 
 from mpi4py import MPI
 
-from mgrit import perf
+from . import model as perf
 from mgrit.nn.chains import AdjointChain
 from mgrit.propagator import Propagator
 from mgrit.solver import MGRIT

@@ -1,7 +1,7 @@
-"""Shared pieces of data-parallel gradient averaging (:mod:`mgrit.dataparallel`,
-:mod:`mgrit.gradbuckets`): bucketing, argument checks, the in-place collective on a flat buffer
+"""Shared pieces of data-parallel gradient averaging (:mod:`mgrit.parallel.dataparallel`,
+:mod:`mgrit.parallel.gradbuckets`): bucketing, argument checks, the in-place collective on a flat buffer
 (CPU, CUDA-aware MPI or host staging) and the reduction of one bucket with its has-gradient
-flags. Private: import the public names from :mod:`mgrit.dataparallel`."""
+flags. Private: import the public names from :mod:`mgrit.parallel.dataparallel`."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from .comm import cuda_aware
+from ..comm import cuda_aware
 
 #: Default bucket size (25 MiB of gradient data, PyTorch DDP's default).
 DEFAULT_BUCKET_BYTES = 25 * 2**20

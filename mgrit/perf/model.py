@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .grid import Hierarchy, Partition
-from .options import MGRITOptions
+from ..grid import Hierarchy, Partition
+from ..options import MGRITOptions
 
 __all__ = ["StepCost", "CommCost", "fit_step_cost", "calibrate_step", "pingpong", "simulate",
            "Simulation", "layerwise_time", "pipelined_time",

@@ -51,7 +51,7 @@ def _is_int(v) -> bool:
 def _replace_solver(resnet, which: str, options) -> None:
     """Rebuild ``resnet._fsolver`` or ``resnet._bsolver`` with ``options`` (no communication:
     only the local hierarchy is recomputed). Keeps accumulated stats and phase tags."""
-    from .solver import MGRIT
+    from ..solver import MGRIT
 
     old = resnet._fsolver if which == "forward" else resnet._bsolver
     new = MGRIT(old.propagator, resnet.n_layers, dtype=old.dtype, device=old.device,

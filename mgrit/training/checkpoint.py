@@ -42,7 +42,7 @@ import torch
 from mpi4py import MPI
 
 from .faults import phase
-from .options import MGRITOptions
+from ..options import MGRITOptions
 
 __all__ = ["save_checkpoint", "load_checkpoint", "FORMAT"]
 

@@ -6,7 +6,7 @@ World rank ``w`` of a grid with ``P_L`` layer ranks and ``P_D`` replicas sits at
 of ``P_L`` consecutive ranks (consecutive ranks hold consecutive layers, usually on one node, so
 the frequent neighbour messages of the layer solve stay on the node), data-parallel groups
 collect the ranks holding the same layers in every replica (one gradient Allreduce per step,
-see :mod:`mgrit.dataparallel`). The same grid serves layer-wise stages x replicas.
+see :mod:`mgrit.parallel.dataparallel`). The same grid serves layer-wise stages x replicas.
 
 Example, 6 ranks, ``ProcessGrid(comm, data_parallel=2)`` (``P_L = 3``)::
 

@@ -46,7 +46,7 @@ from mpi4py import MPI
 from ._flatbuffers import (DEFAULT_BUCKET_BYTES, SUPPORTED_DTYPES, _buckets, _check_bucket_bytes,
                            _check_comm, _check_params, _collective_inplace, _reduce_bucket,
                            _weight_error)
-from .comm import raise_agreed
+from ..comm import raise_agreed
 from .gradbuckets import GradientBuckets
 
 __all__ = ["average_gradients", "GradientBuckets", "broadcast_parameters",

@@ -1,5 +1,5 @@
 """Persistent flat gradient buffers for data-parallel training (:class:`GradientBuckets`,
-re-exported by :mod:`mgrit.dataparallel`, whose module doc describes the bucketing, the
+re-exported by :mod:`mgrit.parallel.dataparallel`, whose module doc describes the bucketing, the
 has-gradient flags and the device paths)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from ._flatbuffers import (DEFAULT_BUCKET_BYTES, _buckets, _check_bucket_bytes, _check_comm,
                            _check_params, _reduce_bucket, _weight_error)
-from .comm import raise_agreed
+from ..comm import raise_agreed
 
 __all__ = ["GradientBuckets"]
 
