@@ -51,11 +51,37 @@ class MGRITOptions:
             Guenther et al. use 10).
         max_iter: Maximum number of MGRIT cycles, >= 1 (default 10). Inexact training uses a
             fixed small number (2 forward / 1 backward in TorchBraid) with ``tol = 0``.
-        tol: Absolute stopping tolerance on the C-point residual norm, >= 0 (default 1e-9).
-            The solve stops when ``residual < max(tol, rtol * initial_residual)``.
-            0 disables (run ``max_iter`` cycles).
-        rtol: Relative tolerance, >= 0 (default 0 = off), relative to the residual of the
-            initial guess (one extra residual evaluation when > 0).
+        tol: Absolute tolerance on the C-point residual ``r = ||(||Phi(u_{c-1}) - u_c||_2)_c||``
+            over fine C-points ``c > 0`` (outer norm: ``norm``), >= 0 (default 1e-9).
+            Stopping rule (with ``rtol``): the solve ends after the first cycle with
+            ``r < tol`` or ``r <= rtol * ||u_C||``, each test only when its tolerance is > 0;
+            both 0 = a fixed-iteration solve of ``max_iter`` cycles (``converged`` stays
+            False). With an initial guess (warm start) and a tolerance > 0, the F-relaxed guess
+            is tested first: a converged guess costs 0 cycles (``iterations == 0``,
+            ``residuals == []``, ``converged`` True; see :class:`mgrit.solver.MGRITResult`).
+            Advice: the recommended criterion when the size of the states is known (as
+            XBraid advises); float64 exact mode with states of order 1: 1e-10 .. 1e-12.
+            Pitfalls: round-off keeps ``r`` above about ``eps * ||u_C||`` (eps = 2.2e-16 in
+            float64, 1.2e-7 in float32), so a smaller ``tol`` is never met (``max_iter``
+            cycles, ``converged`` False); ``tol`` is absolute, so rescaling the problem
+            (larger activations, a summed instead of averaged loss for the adjoint) changes
+            how tight it is -- ``rtol`` does not.
+        rtol: Relative tolerance, >= 0 (default 0 = off): the solve also stops when
+            ``r <= rtol * ||u_C||``, where ``||u_C|| = ||(||u_c||_2)_c||`` is the norm of the
+            current C-point states ``c > 0`` in the same norm as ``r``, computed with ``r`` in
+            the same allreduce (no extra cost; reported as ``MGRITResult.state_norm``). This
+            scale does not depend on the initial guess, so cold and warm starts meet the same
+            criterion: a warm start from a converged solve's states (the same batch solved
+            again) needs 0 cycles, one from the states after ``j`` of a cold solve's ``K``
+            cycles needs ``K - j`` (it continues the cold iteration). Unlike XBraid's and
+            PyMGRIT's relative tolerance it is *not* relative to the initial residual, which
+            makes a warm start from a converged guess (residual ~1e-16) chase an unreachable
+            target and a zero guess with a zero residual meaningless. Advice: use it when the
+            size of the states varies (activations from batch to batch; adjoints proportional
+            to the loss gradient): 1e-10 .. 1e-12 in float64, >= 1e-6 in float32. Pitfalls: a
+            solution near 0 (a strongly decaying chain, a zero loss gradient) makes ``||u_C||``
+            ~ 0, so only an exact ``r == 0`` meets the relative test: add a small ``tol`` as
+            an absolute floor; ``rtol`` below eps (see ``tol``) is never met.
         norm: ``"l2"`` (default; 2-norm over C-points of the per-point 2-norms, as PyMGRIT) or
             ``"inf"`` (maximum over C-points).
         cycle: ``"V"`` (default) or ``"F"`` (after each coarse correction an extra V-cycle on
@@ -69,6 +95,8 @@ class MGRITOptions:
             Must be > 0 and finite.
         skip_first_relaxation: No relaxation on the first down-cycle (XBraid's ``skip``;
             default False). Saves work when the initial guess is already good (warm start).
+            With a tolerance > 0 and an initial guess, the convergence test of the guess
+            F-relaxes it first, so only the coarse levels' first relaxation is skipped.
         nested_iteration: Build the initial guess by solving the coarsest level and working up
             with V-cycles (PyMGRIT's default, True there; default False here: in training the
             warm start from the previous batch is cheaper). Cannot be combined with an

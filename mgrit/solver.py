@@ -13,7 +13,11 @@ Southworth, Schroder 2017 (nonlinear FAS MGRIT), in the exact cycle structure of
   neighbour), instead of PyMGRIT's gather to rank 0;
 * nested iteration: solve the coarsest level, then inject and V-cycle upwards;
 * residual after each cycle: ``||(||Phi(u_{c-1}) - u_c||_2)_c||`` over fine C-points ``c > 0``
-  (2-norm or inf-norm over points), identical on every rank.
+  (2-norm or inf-norm over points), identical on every rank; computed in the same allreduce as
+  the norm ``||(||u_c||_2)_c||`` of those C-point states, the scale of ``rtol``;
+* stopping: after the first cycle whose residual ``r`` meets ``r < tol`` or ``r <= rtol *
+  ||u_C||`` (see :class:`~mgrit.options.MGRITOptions`); with an initial guess (warm start) the
+  guess is F-relaxed and checked first, so a converged guess costs no cycle.
 
 The FAS right-hand side and the coarse-grid correction are evaluated in PyMGRIT's operation
 order, so residual histories agree with PyMGRIT's to the last bits when the propagator computes
@@ -46,15 +50,27 @@ __all__ = ["MGRIT", "MGRITResult"]
 class MGRITResult:
     """Outcome of :meth:`MGRIT.solve` on one rank.
 
+    All floats are identical on every rank (one allreduce each).
+
     Attributes:
         states: this rank's fine states, shape ``(hi - lo, *state_shape)``; row ``i`` is the
             state at fine index ``lo + i``.
         lo, hi: owned fine points ``[lo, hi)``.
-        residuals: residual norm after each cycle (identical on every rank).
-        initial_residual: residual of the initial guess (only computed when ``rtol > 0``).
-        iterations: cycles performed.
-        converged: whether the tolerance was met (False for a fixed-iteration solve with
-            ``tol = rtol = 0``).
+        residuals: C-point residual norm after each cycle, ``len(residuals) == iterations``.
+            Empty when the initial guess already met the tolerance (0 cycles); ``[0.0]`` for a
+            one-level solve (one exact sequential sweep). Use :attr:`final_residual` for "the
+            residual of the returned states" without special cases.
+        initial_residual: residual of the F-relaxed initial guess, evaluated before the first
+            cycle when an ``initial_guess`` is given and ``tol`` or ``rtol`` is > 0; ``None``
+            otherwise (cold starts: zeros or nested iteration, as PyMGRIT, whose history also
+            starts after cycle 1).
+        state_norm: norm of the C-point states ``||(||u_c||_2)_c||`` (same norm as the
+            residual) at the last residual evaluation: the scale of ``rtol``; ``None`` when no
+            residual was evaluated (one level).
+        iterations: cycles performed; 0 when the initial guess already met the tolerance.
+        converged: whether the stopping criterion was met, by the initial guess (0 cycles)
+            or after a cycle; True for a one-level solve; False when ``max_iter`` cycles did
+            not meet it and always False for a fixed-iteration solve (``tol = rtol = 0``).
         stats: counters of this solve on this rank.
     """
 
@@ -63,9 +79,17 @@ class MGRITResult:
     hi: int
     residuals: list = field(default_factory=list)
     initial_residual: float | None = None
+    state_norm: float | None = None
     iterations: int = 0
     converged: bool = False
     stats: SolverStats = field(default_factory=SolverStats)
+
+    @property
+    def final_residual(self) -> float | None:
+        """Residual of the returned states: ``residuals[-1]``, or ``initial_residual`` after 0
+        cycles (``None`` only if neither was evaluated, which :meth:`MGRIT.solve` never
+        returns)."""
+        return self.residuals[-1] if self.residuals else self.initial_residual
 
     @property
     def convergence_factors(self) -> list:
@@ -179,6 +203,17 @@ class MGRIT:
                 (warm start); default zeros. Its row for point 0 is replaced by ``u0``.
             state_shape: overrides the constructor's state shape for this solve.
 
+        Stopping (``options.tol``, ``options.rtol``; see :class:`~mgrit.options.MGRITOptions`):
+        after each cycle the C-point residual ``r`` and the C-point state norm ``s`` are
+        reduced in one allreduce; the solve stops when ``r < tol`` or ``r <= rtol * s`` (each
+        test only when its tolerance is > 0), else after ``max_iter`` cycles. With an
+        ``initial_guess`` and a tolerance > 0, the guess is first F-relaxed (the first cycle's
+        leading F-relaxation, not repeated) and the same test applied to it: a guess that
+        meets it returns after 0 cycles (``iterations == 0``, ``residuals == []``,
+        ``converged``, ``initial_residual`` = its residual, states = the F-relaxed guess).
+        The check reuses its C-point steps in the first cycle, so it costs one allreduce (and,
+        with ``skip_first_relaxation``, the F-relaxation that option would have skipped).
+
         Returns:
             :class:`MGRITResult` with this rank's states.
 
@@ -212,21 +247,27 @@ class MGRIT:
         else:
             if opts.nested_iteration:
                 self._nested_iteration()
-            target = opts.tol
-            if opts.rtol > 0:
-                result.initial_residual = self._residual()
-                target = max(target, opts.rtol * result.initial_residual)
-            for it in range(opts.max_iter):
-                self._cycle(0, opts.cycle, it, True, opts.skip_first_relaxation and it == 0)
-                res = self._residual()
-                result.residuals.append(res)
-                result.iterations = it + 1
+            prechecked = initial_guess is not None and (opts.tol > 0 or opts.rtol > 0)
+            if prechecked:  # a converged warm start costs no cycle
+                with stats.timed("relax"):
+                    ops.f_relax(self._st[0])  # the C-point residual holds F-equations exact
+                res, result.state_norm = self._residual()
+                result.initial_residual = res
                 if opts.check_finite and not math.isfinite(res):
-                    raise FloatingPointError(f"MGRIT residual is {res} after cycle {it + 1} "
+                    raise FloatingPointError(f"MGRIT residual of the initial guess is {res}: "
+                                             f"the guess, or a step from it, has NaN/Inf values")
+                result.converged = self._met(res, result.state_norm)
+            it = 0
+            while not result.converged and it < opts.max_iter:
+                self._cycle(0, opts.cycle, it, not (prechecked and it == 0),
+                            opts.skip_first_relaxation and it == 0)
+                res, result.state_norm = self._residual()
+                result.residuals.append(res)
+                result.iterations = it = it + 1
+                if opts.check_finite and not math.isfinite(res):
+                    raise FloatingPointError(f"MGRIT residual is {res} after cycle {it} "
                                              f"(history {result.residuals}): the iteration diverged")
-                if res < target:
-                    result.converged = True
-                    break
+                result.converged = self._met(res, result.state_norm)
         ex.waitall()
         self.stats += stats
         return result
@@ -263,22 +304,37 @@ class MGRIT:
             if l > 0:
                 self._cycle(l, "V", 0, True, False)
 
-    def _residual(self) -> float:
-        """Global C-point residual norm on the finest level (one allreduce)."""
+    def _met(self, res: float, state_norm: float) -> bool:
+        """The stopping test ``r < tol or r <= rtol * ||u_C||`` (each part only when its
+        tolerance is > 0; a non-finite state norm never satisfies the relative part)."""
+        o = self.options
+        return bool((o.tol > 0 and res < o.tol)
+                    or (o.rtol > 0 and math.isfinite(state_norm) and res <= o.rtol * state_norm))
+
+    def _residual(self) -> tuple[float, float]:
+        """Global C-point residual norm on the finest level and the norm of the same C-point
+        states (the scale of ``rtol``), in one allreduce; identical on every rank."""
         st, stats = self._st[0], self._stats
+        inf = self.options.norm == "inf"
         with stats.timed("residual"):
             targets, phi = self._ops.incoming(st, st.lv.cfactor or 1)
             if len(targets):
-                r = phi - st.u[targets.start - st.lv.lo:targets[-1] - st.lv.lo + 1:targets.step]
-                norms = torch.linalg.vector_norm(r.reshape(len(targets), -1), dim=1)
-                local = float(norms.max()) if self.options.norm == "inf" else float((norms ** 2).sum())
+                u = st.u[targets.start - st.lv.lo:targets[-1] - st.lv.lo + 1:targets.step]
+                rows = torch.stack([phi - u, u]).reshape(2, len(targets), -1)
+                norms = torch.linalg.vector_norm(rows, dim=2)  # (2, points): residual, state
+                norms = norms.to("cpu", torch.float64)  # float32 squares could overflow
+                local = (norms.amax(dim=1) if inf else (norms ** 2).sum(dim=1)).numpy()
             else:
-                local = 0.0
+                local = np.zeros(2)
             self._ops.ex.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
-                local = self.comm.allreduce(local, op=MPI.MAX if self.options.norm == "inf" else MPI.SUM)
-        return local if self.options.norm == "inf" else math.sqrt(local)
+                if inf:  # exact: the same maximum on every rank whatever the reduction order
+                    self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
+                else:  # mpi4py's object reduction: one result, broadcast (identical bits)
+                    local = self.comm.allreduce(local, op=MPI.SUM)
+        r, s = float(local[0]), float(local[1])
+        return (r, s) if inf else (math.sqrt(r), math.sqrt(s))
 
     # -- utilities -----------------------------------------------------------------------
     def gather(self, result: MGRITResult, root: int = 0) -> torch.Tensor | None:

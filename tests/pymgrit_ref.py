@@ -1,9 +1,11 @@
 """Reference residual histories from PyMGRIT 1.0.6 (serial run in this process) and golden copies.
 
 PyMGRIT's histories do not depend on the number of time ranks (notes: identical across 1..7
-ranks), so a serial run is the reference for every rank count. PyMGRIT 1.0.6 calls ``np.in1d``,
-which NumPy 2.4 removed; :func:`_pymgrit` aliases it to ``np.isin`` (same result for these 1-D
-inputs) before importing PyMGRIT.
+ranks), so a serial run is the reference for every rank count. PyMGRIT 1.0.6 (the ``dev``
+extra) calls ``np.in1d``, which NumPy 2.4 removed; :func:`_pymgrit` aliases it to ``np.isin``
+(same result for these 1-D inputs) before importing PyMGRIT, so the check runs on any NumPy
+the install picks. Users run it as ``python -m pytest -q tests/test_pymgrit_crosscheck.py``
+(README, "Using the solver").
 
 PyMGRIT returns ``conv[conv != 0]``: exact zeros are dropped from its history. Use
 :func:`drop_exact_zeros` on our history before comparing with :func:`compare_histories`.
@@ -20,6 +22,7 @@ Cases (all match ``tests/test_pymgrit_crosscheck.py`` and ``experiments/bench_py
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import math
 import time
@@ -27,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GOLDEN", "CASES", "pymgrit_history", "run_pymgrit", "drop_exact_zeros",
+__all__ = ["GOLDEN", "CASES", "PYMGRIT_VERSION", "pymgrit_history", "run_pymgrit", "drop_exact_zeros",
            "compare_histories"]
 
 #: Residual histories measured with PyMGRIT 1.0.6 (/work/shared/notes/mgrit.md).
@@ -52,11 +55,29 @@ CASES = {
 }
 
 
+PYMGRIT_VERSION = "1.0.6"
+
+
 def _pymgrit():
-    """Import PyMGRIT 1.0.6 after restoring ``np.in1d`` (removed in NumPy 2.4)."""
+    """Import PyMGRIT 1.0.6 after restoring ``np.in1d`` (removed in NumPy 2.4; PyMGRIT 1.0.6
+    calls it on 1-D arrays of time points, where ``np.isin`` gives the same result).
+
+    Raises:
+        ImportError: PyMGRIT is not installed, or not version 1.0.6 (the golden histories and
+            the cycle structure we reproduce are those of 1.0.6), naming the install command.
+    """
+    try:
+        installed = importlib.metadata.version("pymgrit")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(f"the PyMGRIT cross-check needs PyMGRIT {PYMGRIT_VERSION}, which is "
+                          f"not installed: pip install -e '.[dev]' (or pip install "
+                          f"pymgrit=={PYMGRIT_VERSION})") from None
+    if installed != PYMGRIT_VERSION:
+        raise ImportError(f"PyMGRIT {installed} is installed; the cross-check needs "
+                          f"{PYMGRIT_VERSION}: pip install pymgrit=={PYMGRIT_VERSION}")
     if not hasattr(np, "in1d"):
         np.in1d = np.isin
-    import pymgrit  # noqa: F401
+    import pymgrit  # noqa: F401  (optional heavy dependency of the tests only)
     from pymgrit.core.mgrit import Mgrit
     from pymgrit.dahlquist.dahlquist import Dahlquist
     from pymgrit.heat.heat_1d import Heat1D

@@ -7,6 +7,10 @@ nx=1001, nt=65, 5 levels, F-cycle, no nested iteration; (c) Dahlquist nt=129 wit
 16,2,2,2 (N=128 not divisible by P=3, ranks without coarse points). On each rank count the
 MPI job also checks: one-level solve == sequential stepping bitwise, converged states ==
 sequential stepping to 10*tol, gather, and the ownership property of case (c).
+
+This is the README's documented check of "same history as PyMGRIT 1.0.6": in a venv installed
+as the README says (the ``dev`` extra brings PyMGRIT 1.0.6; tests/pymgrit_ref.py makes it import
+on NumPy >= 2.4), ``python -m pytest -q tests/test_pymgrit_crosscheck.py``.
 """
 import pytest
 

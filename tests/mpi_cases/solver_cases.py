@@ -1,4 +1,7 @@
 """Solver checks run on k ranks by tests/test_solver_mpi.py (each rank asserts on its own part)."""
+import math
+import re
+
 import torch
 from mpi4py import MPI
 
@@ -138,7 +141,6 @@ def check_bad_input(case):
             _u0(batch=2 + (COMM.rank == 1)), state_shape=(2 + (COMM.rank == 1), 3)),
             r"ranks disagree on the state shape"),
     }
-    import re
     make, pattern = cases[case]
     try:
         make()
@@ -146,3 +148,128 @@ def check_bad_input(case):
         assert re.search(pattern, str(exc)), f"rank {COMM.rank}: message {exc!s} lacks {pattern!r}"
         return str(exc)
     raise AssertionError(f"rank {COMM.rank}: no ValueError for {case}")
+
+
+# -- stopping criteria under warm start (issue 13 item 4) -------------------------------------
+def _tol_problem(problem):
+    """(propagator, N, state shape, u0, sequential reference states (N + 1, *shape))."""
+    if problem == "dahlquist":  # u' = -u on [0, 5], backward Euler, u(0) = 1
+        n = 64
+        prop = Dahlquist(n_intervals=n)
+        u0, shape = prop.initial_value(), ()
+    else:  # nonlinear, layer-dependent tanh chain
+        n = 48
+        prop = BatchedTanhChain(n, width=3, T=2.0)
+        u0, shape = _u0(), (2, 3)
+    return prop, n, shape, u0, sequential(prop, u0, n)
+
+
+def _own(solver, full):
+    lv = solver.hierarchy.levels[0]
+    return full[lv.lo:lv.hi].clone()
+
+
+def check_warm_repeat(problem, norm, rtol, tol):
+    """The same problem solved three times, each warm-started from the previous states: the
+    first (cold) solve converges in K < max_iter cycles; the second and third need 0 cycles,
+    report converged, an empty history and, as initial residual, the cold solve's last one
+    (bitwise: the F-relaxed guess is the cold solve's final state). States stay bitwise those
+    of the cold solve and match sequential stepping (relative max-norm error <= 1e-4)."""
+    prop, n, shape, u0, ref = _tol_problem(problem)
+    opts = MGRITOptions(max_levels=2, cfactor=4, rtol=rtol, tol=tol, norm=norm, max_iter=30)
+    solver = _solver(prop, n, opts, shape)
+    cold = solver.solve(u0)
+    assert cold.converged and 2 <= cold.iterations < 30, (cold.iterations, cold.residuals)
+    assert cold.initial_residual is None and len(cold.residuals) == cold.iterations
+    assert cold.state_norm > 0 and cold.final_residual == cold.residuals[-1]
+    r = cold.residuals[-1]
+    assert (tol > 0 and r < tol) or (rtol > 0 and r <= rtol * cold.state_norm), (r, cold.state_norm)
+    err = float((cold.states - ref[cold.lo:cold.hi]).abs().max() / ref.abs().max())
+    assert err <= 1e-4, f"rank {COMM.rank}: converged states off by {err:.2e}"
+    guess, counts = cold.states.clone(), [cold.iterations]
+    for _ in range(2):
+        warm = solver.solve(u0, initial_guess=guess)
+        counts.append(warm.iterations)
+        assert warm.converged and warm.iterations == 0 and warm.residuals == [], \
+            (warm.iterations, warm.residuals, warm.initial_residual)
+        assert warm.initial_residual == r and warm.final_residual == r, (warm.initial_residual, r)
+        assert torch.equal(warm.states, cold.states), f"rank {COMM.rank}: warm states moved"
+        guess = warm.states.clone()
+    return counts
+
+
+def check_warm_continues_cold(problem, norm, rtol, tol, j):
+    """A warm start from the states after ``j`` cold cycles continues the cold iteration: its
+    initial residual is the cold ``r_j`` and its history the cold ``r_{j+1} .. r_K``, so it
+    needs ``K - j`` cycles (never more than the cold solve)."""
+    prop, n, shape, u0, _ = _tol_problem(problem)
+    kw = dict(max_levels=2, cfactor=4, norm=norm, max_iter=40)
+    solver = _solver(prop, n, MGRITOptions(rtol=rtol, tol=tol, **kw), shape)
+    cold = solver.solve(u0)
+    K = cold.iterations
+    assert cold.converged and K > j, (K, cold.residuals)
+    part = _solver(prop, n, MGRITOptions(tol=0.0, **dict(kw, max_iter=j)), shape).solve(u0)
+    assert part.residuals == cold.residuals[:j] and not part.converged
+    warm = solver.solve(u0, initial_guess=part.states.clone())
+    assert warm.converged and warm.iterations == K - j, (warm.iterations, K, j)
+    assert warm.initial_residual == cold.residuals[j - 1], (warm.initial_residual, cold.residuals)
+    for a, b in zip(warm.residuals, cold.residuals[j:]):
+        assert abs(a - b) <= 1e-12 * b, (warm.residuals, cold.residuals)
+    diff = float((warm.states - cold.states).abs().max())
+    assert diff <= 1e-12, f"rank {COMM.rank}: warm-continued states differ by {diff:.2e}"
+    return K, warm.iterations
+
+
+def check_zero_residual_guess(problem, norm):
+    """rtol with guesses whose residual is 0 or round-off: (a) the zero solution (u0 = 0, a
+    chain with Phi(0) = 0): a cold start (old rule: target rtol * 0, never met) converges
+    after one cycle with residual 0, a warm start from zeros needs 0 cycles; (b) the guess =
+    sequential stepping: 0 cycles for rtol alone and for tol alone; (c) fixed-iteration
+    (tol = rtol = 0): no convergence test, max_iter cycles, converged False."""
+    prop, n, shape, u0, ref = _tol_problem(problem)
+    opts = MGRITOptions(max_levels=2, cfactor=4, rtol=1e-6, tol=0.0, norm=norm, max_iter=30)
+    solver = _solver(prop, n, opts, shape)
+    zero = torch.zeros_like(u0)
+    if problem == "dahlquist":  # Phi(0) = 0: the solution from u0 = 0 is 0
+        res = solver.solve(zero)
+        assert res.converged and res.iterations == 1 and res.residuals == [0.0], res.residuals
+        res = solver.solve(zero, initial_guess=torch.zeros_like(_own(solver, ref)))
+        assert res.converged and res.iterations == 0 and res.initial_residual == 0.0
+        assert res.state_norm == 0.0
+    for o in (opts, MGRITOptions(max_levels=2, cfactor=4, tol=1e-12, norm=norm, max_iter=30)):
+        res = _solver(prop, n, o, shape).solve(u0, initial_guess=_own(solver, ref))
+        assert res.converged and res.iterations == 0, (o, res.initial_residual, res.residuals)
+        r, s = res.initial_residual, res.state_norm
+        assert r <= 1e-14 * s, (r, s)
+    fixed = MGRITOptions(max_levels=2, cfactor=4, tol=0.0, rtol=0.0, norm=norm, max_iter=3)
+    res = _solver(prop, n, fixed, shape).solve(u0, initial_guess=_own(solver, ref))
+    assert not res.converged and res.iterations == 3 and res.initial_residual is None
+    return "ok"
+
+
+def check_unreachable_rtol(problem):
+    """rtol below round-off (1e-20) is not met: max_iter cycles, converged False. (5 cycles:
+    FCF would make all 16 coarse intervals exact after 8, with a residual of exactly 0, which
+    meets any rtol.)"""
+    prop, n, shape, u0, _ = _tol_problem(problem)
+    res = _solver(prop, n, MGRITOptions(max_levels=2, cfactor=4, rtol=1e-20, tol=0.0,
+                                        max_iter=5), shape).solve(u0)
+    assert not res.converged and res.iterations == 5 and len(res.residuals) == 5, res.residuals
+    assert res.residuals[-1] > 1e-20 * res.state_norm
+    return res.residuals[-1]
+
+
+def check_nan_guess():
+    """A NaN in one rank's initial guess: FloatingPointError naming the initial guess on every
+    rank (the residual is allreduced), before any cycle."""
+    prop, n, shape, u0, ref = _tol_problem("tanh")
+    solver = _solver(prop, n, MGRITOptions(max_levels=2, cfactor=4, tol=1e-10), shape)
+    guess = _own(solver, ref)
+    if COMM.rank == COMM.size - 1:
+        guess[-1, 0, 0] = math.nan
+    try:
+        solver.solve(u0, initial_guess=guess)
+    except FloatingPointError as exc:
+        assert "initial guess" in str(exc), str(exc)
+        return str(exc)
+    raise AssertionError(f"rank {COMM.rank}: no FloatingPointError for a NaN guess")
