@@ -15,15 +15,21 @@ Modules: :mod:`data.datasets` (registry, bundled sets), :mod:`data.split`
 (``Split``, normalization, stratified split), :mod:`data.idx` (MNIST IDX),
 :mod:`data.cifar` (CIFAR-10 pickles), :mod:`data.peaks` (Peaks problem),
 :mod:`data.h5cache` (HDF5 cache writing), :mod:`data.h5reader` (lazy
-reading), :mod:`data.sharding` (global-batch
-sampler), ``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
+reading), :mod:`data.h5format` (format constants and checksum shared by both),
+:mod:`data.sharding` (global-batch sampler), :mod:`data.errors`,
+``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
+
+Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, ``peaks``;
+``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``sharding``
+stands alone.
 No torch or mpi4py is imported.
 """
 
 from .cifar import load_cifar10, read_cifar_batch
-from .datasets import available_datasets, dataset_info, load_dataset, load_raw
+from .datasets import available_datasets, dataset_info, load_dataset, load_raw, source_datasets
 from .errors import DataFormatError
-from .h5cache import FORMAT_VERSION, prepare, write_split_h5
+from .h5cache import prepare, write_split_h5
+from .h5format import FORMAT_VERSION
 from .h5reader import H5Split, open_h5_pair, open_h5_split
 from .idx import load_mnist, read_idx, write_idx
 from .peaks import make_peaks
@@ -31,7 +37,7 @@ from .sharding import GlobalBatchSampler, global_permutation
 from .split import Split
 
 __all__ = [
-    "load_dataset", "load_raw", "available_datasets", "dataset_info", "Split",
+    "load_dataset", "load_raw", "available_datasets", "source_datasets", "dataset_info", "Split",
     "GlobalBatchSampler", "global_permutation", "DataFormatError",
     "FORMAT_VERSION", "H5Split", "open_h5_split", "open_h5_pair", "prepare", "write_split_h5",
     "read_idx", "write_idx", "load_mnist", "load_cifar10", "read_cifar_batch", "make_peaks",

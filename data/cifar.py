@@ -3,7 +3,7 @@
 Format (https://www.cs.toronto.edu/~kriz/cifar.html, ``cifar-10-python.tar.gz``):
 the folder ``cifar-10-batches-py`` holds ``data_batch_1`` .. ``data_batch_5``
 (train, 10,000 images each), ``test_batch`` (10,000) and ``batches.meta``.
-Each batch is a pickled dict, read with ``pickle.load(f, encoding="bytes")``,
+Each batch is a pickled dict (protocol 2, written by Python 2's ``cPickle``),
 with keys ``b"data"`` -- uint8 ``(10000, 3072)``, each row 1024 red, 1024
 green, 1024 blue values of a 32x32 image in row-major order -- and
 ``b"labels"`` -- 10,000 ints in 0..9.  ``batches.meta`` has
@@ -13,11 +13,20 @@ green, 1024 blue values of a 32x32 image in row-major order -- and
 layout) or that folder itself.  Images are returned as uint8
 ``(n, 3, 32, 32)`` (a pure reshape of the rows), labels as int64.
 
-Pickle can execute code from a malicious file: only read files you trust.
+Loading never runs code from the file: a plain ``pickle.load`` would call whatever global
+a crafted file names (``os.system`` through ``__reduce__``, say), so the batches are read by a
+restricted unpickler (:class:`CifarUnpickler`) that resolves only the globals the format
+needs -- numpy's array reconstruction (``numpy.core.multiarray._reconstruct`` in the official
+Python 2 files, ``numpy._core.multiarray._reconstruct`` from NumPy >= 2, ``_frombuffer`` of
+protocol-5 pickles, ``scalar``), ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode``
+restricted to latin-1 (Python 3's protocol <= 2 pickles of ``bytes``). Containers (dict, list,
+tuple), ints, floats, ``str`` and ``bytes`` need no global. Any other global is a
+:class:`~data.errors.DataFormatError` naming the file and the global, raised before anything
+from the file is called.
 
 Errors: :class:`FileNotFoundError` naming the missing file(s) and how to obtain
 them; :class:`~data.errors.DataFormatError` naming the file for an unreadable
-pickle, a missing key, wrong data shape/dtype or labels outside 0..9.
+pickle, a forbidden global, a missing key, wrong data shape/dtype or labels outside 0..9.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ import numpy as np
 from .errors import DataFormatError
 from .split import Split, check_labels
 
-__all__ = ["TRAIN_BATCHES", "TEST_BATCH", "META_FILE", "read_cifar_batch", "load_cifar10"]
+__all__ = ["TRAIN_BATCHES", "TEST_BATCH", "META_FILE", "ALLOWED_GLOBALS", "CifarUnpickler",
+           "read_cifar_batch", "load_cifar10"]
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_BATCH = "test_batch"
@@ -39,12 +49,63 @@ FOLDER = "cifar-10-batches-py"
 _ROW = 3 * 32 * 32
 
 
+def _latin1_encode(obj, encoding="utf-8"):
+    """``_codecs.encode`` as protocol <= 2 pickles of ``bytes`` use it (``encode(str,
+    'latin1')``); any other codec is refused (a codec lookup may import modules)."""
+    if not isinstance(obj, str) or str(encoding).lower().replace("-", "").replace("_", "") not in ("latin1", "iso88591"):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(obj).__name__}, {encoding!r}) is not allowed: "
+                                     f"only str -> bytes with latin-1 occurs in CIFAR pickles")
+    return obj.encode("latin-1")
+
+
+# the running numpy's own reconstruction functions (found through its reducers, so neither the
+# deprecated numpy.core nor a private module path has to be imported)
+_RECONSTRUCT = np.zeros(1).__reduce__()[0]
+_FROMBUFFER = np.zeros(1).__reduce_ex__(5)[0]
+_SCALAR = np.float64(0).__reduce__()[0]
+
+#: ``(module, name)`` -> object: the only globals :class:`CifarUnpickler` resolves.
+ALLOWED_GLOBALS = {
+    **{(m, "_reconstruct"): _RECONSTRUCT for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "scalar"): _SCALAR for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "_frombuffer"): _FROMBUFFER for m in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): _latin1_encode,
+}
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` (``encoding="bytes"``) that resolves only :data:`ALLOWED_GLOBALS`;
+    any other global raises before it could be called. Persistent ids are refused too
+    (``pickle.Unpickler``'s default)."""
+
+    def __init__(self, file):
+        super().__init__(file, encoding="bytes")
+
+    def find_class(self, module, name):
+        obj = ALLOWED_GLOBALS.get((module, name))
+        if obj is None:
+            raise _ForbiddenGlobal(f"{module}.{name}")
+        return obj
+
+
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            obj = pickle.load(f, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            ImportError, IndexError, UnicodeDecodeError) as e:
+            obj = CifarUnpickler(f).load()
+    except _ForbiddenGlobal as e:
+        raise DataFormatError(
+            f"{path}: the pickle references the global '{e}', which a CIFAR batch never needs; "
+            f"refusing to load it (a crafted pickle can run code this way). Allowed globals: "
+            f"{', '.join(sorted({f'{m}.{n}' for m, n in ALLOWED_GLOBALS}))}"
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
+            ImportError, IndexError, UnicodeDecodeError, MemoryError, OverflowError) as e:
         raise DataFormatError(f"{path}: not a readable CIFAR pickle ({type(e).__name__}: {e})") from e
     if not isinstance(obj, dict):
         raise DataFormatError(f"{path}: CIFAR pickle must contain a dict, found {type(obj).__name__}")
@@ -76,8 +137,11 @@ def read_cifar_batch(path, num_classes: int = 10):
     if not path.is_file():
         raise FileNotFoundError(f"CIFAR batch file not found: {path}")
     obj = _unpickle(path)
-    data = np.asarray(_get(obj, b"data", path))
-    labels = np.asarray(_get(obj, b"labels", path))
+    data, labels = _get(obj, b"data", path), _get(obj, b"labels", path)
+    try:
+        data, labels = np.asarray(data), np.asarray(labels)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. ragged nested lists
+        raise DataFormatError(f"{path}: b'data'/b'labels' are not arrays ({type(e).__name__}: {e})") from e
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != _ROW:
         raise DataFormatError(
             f"{path}: b'data' must be uint8 of shape (n, {_ROW}), found {data.dtype} {data.shape}"
@@ -120,6 +184,9 @@ def load_cifar10(root):
     meta_path = folder / META_FILE
     meta = _unpickle(meta_path)
     raw_names = _get(meta, b"label_names", meta_path)
+    if not isinstance(raw_names, (list, tuple)) or not all(isinstance(n, (bytes, str)) for n in raw_names):
+        raise DataFormatError(f"{meta_path}: b'label_names' must be a list of byte strings, found "
+                              f"{type(raw_names).__name__}")
     class_names = [n.decode() if isinstance(n, bytes) else str(n) for n in raw_names]
     if len(class_names) < 2:
         raise DataFormatError(f"{meta_path}: b'label_names' has {len(class_names)} entries, expected 10")

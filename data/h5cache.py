@@ -33,48 +33,29 @@ Errors: :class:`FileNotFoundError` for a missing file (says how to create it);
 :class:`~data.errors.DataFormatError` naming the file and the found/expected
 values for a non-HDF5 file, another ``format_version``, missing attributes or
 datasets, inconsistent shapes, labels out of range, or a checksum mismatch
-(``H5Split.verify_checksum``).  Reading lives in :mod:`data.h5reader`.
+(``H5Split.verify_checksum``).  Reading lives in :mod:`data.h5reader`; the format
+constants and the checksum shared by both in :mod:`data.h5format`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
+import h5py
 import numpy as np
 
+from .datasets import canonical_name, load_raw
+from .h5format import FORMAT_VERSION, REQUIRED_ATTRS, checksum
 from .split import Split, check_labels
 
 __all__ = ["FORMAT_VERSION", "REQUIRED_ATTRS", "checksum", "write_split_h5", "prepare"]
 
-FORMAT_VERSION = 1
-REQUIRED_ATTRS = ("format_version", "name", "split", "source", "checksum",
-                  "normalization", "class_names", "num_classes")
-_CHUNK_ROWS = 8192
-
-
-def _h5py():
-    import h5py  # imported lazily: keeps `python -m data --help` fast
-
-    return h5py
-
-
-def checksum(x: np.ndarray, y: np.ndarray) -> str:
-    """Hex SHA-256 of ``x``'s C-order bytes followed by ``y`` as little-endian int64."""
-    h = hashlib.sha256()
-    x = np.ascontiguousarray(x)
-    for s in range(0, len(x), _CHUNK_ROWS):
-        h.update(memoryview(np.ascontiguousarray(x[s:s + _CHUNK_ROWS])).cast("B"))
-    h.update(np.ascontiguousarray(y, dtype="<i8").tobytes())
-    return h.hexdigest()
-
 
 def _write_file(path: Path, split: Split, extra: dict) -> None:
     """Write ``split`` (raw inputs, normalization stats) to ``path`` (no atomicity here)."""
-    h5py = _h5py()
     x = np.ascontiguousarray(split.x)
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
@@ -129,11 +110,10 @@ def write_split_h5(split: Split, path, **extra_attrs) -> Path:
 def prepare(name: str, out_dir, root=None, seed: int = 0, test_fraction: float = 0.2):
     """Load data set ``name`` and write ``out_dir/NAME-train.h5`` and ``out_dir/NAME-test.h5``.
 
-    Args match :func:`data.load_dataset`.  Existing files are replaced
-    atomically.  Returns the two paths ``(train_path, test_path)``.
+    Args match :func:`data.load_dataset`; ``name`` is one of
+    :func:`data.datasets.source_datasets` (``"hdf5"`` is already a cache).  Existing files are
+    replaced atomically.  Returns the two paths ``(train_path, test_path)``.
     """
-    from .datasets import canonical_name, load_raw
-
     name = canonical_name(name)
     train, test, rule = load_raw(name, root=root, seed=seed, test_fraction=test_fraction)
     out = Path(out_dir)

@@ -2,8 +2,8 @@
 
 :func:`open_h5_split` checks, naming the file and the found/expected values
 (:class:`~data.errors.DataFormatError`): that it is an HDF5 file, its
-``format_version`` equals :data:`data.h5cache.FORMAT_VERSION`, all
-:data:`data.h5cache.REQUIRED_ATTRS` and the datasets ``x``/``y`` exist with
+``format_version`` equals :data:`data.h5format.FORMAT_VERSION`, all
+:data:`data.h5format.REQUIRED_ATTRS` and the datasets ``x``/``y`` exist with
 consistent shapes, ``class_names``/``normalization`` match ``num_classes``
 and the channels, and every label lies in ``[0, num_classes)`` (``y`` is read
 whole, 8 bytes per sample).  It then closes the file; rows of ``x`` are read on
@@ -16,16 +16,16 @@ reads its own rows independently.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import os
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from .errors import DataFormatError
-from .h5cache import _CHUNK_ROWS, FORMAT_VERSION, REQUIRED_ATTRS, _h5py
+from .h5format import FORMAT_VERSION, REQUIRED_ATTRS, checksum
 from .split import Split, apply_normalization, check_labels
 
 __all__ = ["LazyRows", "H5Split", "open_h5_split", "open_h5_pair"]
@@ -150,7 +150,6 @@ class H5Split:
         self.x = LazyRows(self)
 
     def _validate(self) -> None:
-        h5py = _h5py()
         p = self.path
         if not p.is_file():
             raise FileNotFoundError(
@@ -222,7 +221,7 @@ class H5Split:
 
     def _dataset(self):
         if self._file is None or self._pid != os.getpid():
-            self._file = _h5py().File(self.path, "r")
+            self._file = h5py.File(self.path, "r")
             self._pid = os.getpid()
         return self._file["x"]
 
@@ -291,11 +290,7 @@ class H5Split:
             DataFormatError: naming the file and both checksums on mismatch.
         """
         ds = self._dataset()
-        h = hashlib.sha256()
-        for s in range(0, len(self), _CHUNK_ROWS):
-            h.update(memoryview(np.ascontiguousarray(ds[s:s + _CHUNK_ROWS])).cast("B"))
-        h.update(np.ascontiguousarray(self._file["y"][()], dtype="<i8").tobytes())
-        found = h.hexdigest()
+        found = checksum(ds, self._file["y"][()])
         if found != self.checksum:
             raise DataFormatError(f"{self.path}: checksum mismatch: computed {found}, attribute says {self.checksum}")
         return found

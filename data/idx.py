@@ -24,12 +24,14 @@ split is the one shipped (60,000 / 10,000).
 Errors: :class:`FileNotFoundError` naming the missing file, the folders searched
 and how to obtain it; :class:`~data.errors.DataFormatError` naming the file for
 a wrong magic number, a size that does not match the header, a truncated or
-corrupt gzip stream, image/label count mismatch, or labels outside 0..9.
+corrupt gzip stream, a header that does not fit the file (any malformed header
+or size), image/label count mismatch, or labels outside 0..9.
 """
 
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import zlib
 from pathlib import Path
@@ -103,9 +105,11 @@ def read_idx(path, expected_magic: int | None = None) -> np.ndarray:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        DataFormatError: truncated/corrupt gzip, wrong or unknown magic number,
-            or data size different from the product of the header dimensions;
-            the message names the file and the found/expected values.
+        DataFormatError: every malformed file: truncated/corrupt gzip, too short for its
+            header, wrong or unknown magic number (type code, zero dimensions), a
+            dimension of size 0, or a data size different from the product of the header
+            dimensions (computed in Python integers, so huge declared sizes cannot wrap
+            around); the message names the file and the found/expected values.
     """
     path = Path(path)
     if not path.is_file():
@@ -130,9 +134,14 @@ def read_idx(path, expected_magic: int | None = None) -> np.ndarray:
         raise DataFormatError(
             f"{path}: IDX header declares {ndim} dimensions ({header} header bytes) but the file has {len(raw)} bytes"
         )
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    # Python ints throughout: a header may declare sizes whose product overflows any fixed width
+    dims = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    if 0 in dims:
+        raise DataFormatError(
+            f"{path}: IDX header declares a dimension of size 0 (dims {dims}); every size must be >= 1"
+        )
     dtype = _IDX_DTYPES[code]
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize
     found = len(raw) - header
     if found != expected:
         raise DataFormatError(
@@ -157,6 +166,9 @@ def write_idx(path, array: np.ndarray) -> Path:
         raise ValueError(f"write_idx: dtype {array.dtype} not supported; use one of uint8, int8, int16, int32, float32, float64")
     if array.ndim == 0 or array.ndim > 255:
         raise ValueError(f"write_idx: array must have 1..255 dimensions, got {array.ndim}")
+    if array.size == 0:
+        raise ValueError(f"write_idx: array of shape {array.shape} is empty; IDX sizes must be >= 1 "
+                         f"(read_idx rejects a dimension of size 0)")
     c = code[key]
     body = (bytes([0, 0, c, array.ndim])
             + np.asarray(array.shape, dtype=">u4").tobytes()

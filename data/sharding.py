@@ -13,9 +13,17 @@ Definition (identical on every rank, for any number of data-parallel ranks):
 Hence the concatenation of all ranks' shards of a batch is the global batch,
 the union over an epoch is the permutation, and 1 rank and R ranks see the
 same global batches (same gradient of the mean loss if shards are weighted by
-their size).  Every rank gets a non-empty shard of every batch: configurations
-where some rank would get an empty shard raise :class:`ValueError` at
-construction.
+their size, :meth:`GlobalBatchSampler.weight`).
+
+Every sample is used, for every batch size and replica count: nothing is dropped
+unless the user asks for ``drop_last=True``.  A batch with fewer samples than
+replicas (the last one, or every one when ``global_batch_size < num_replicas``,
+or ``num_replicas > num_samples``) gives the last ranks an **empty** shard, an
+int64 array of length 0.  Such a rank still takes part in every collective of
+the step; it contributes weight 0 to the gradient average (its gradient is zero
+or ``None``; see :mod:`mgrit.parallel.gradbuckets`, whose ``weight=0`` and
+``None`` gradients are meant for this), so the averaged gradient equals the
+single-replica gradient of the global batch.
 """
 
 from __future__ import annotations
@@ -57,18 +65,18 @@ class GlobalBatchSampler:
 
     Args:
         num_samples: data set size n >= 1.
-        global_batch_size: B >= num_replicas, samples per global batch over all ranks.
+        global_batch_size: B >= 1, samples per global batch over all ranks (any B: with
+            ``B < num_replicas`` some ranks get empty shards, see the module doc).
         seed: non-negative int.
         rank: this rank, ``0 <= rank < num_replicas`` (default 0).
-        num_replicas: number of data-parallel ranks R, ``1 <= R <= n`` (default 1).
-        drop_last: drop the final incomplete global batch (default False).
+        num_replicas: number of data-parallel ranks R >= 1 (default 1; may exceed n).
+        drop_last: drop the final incomplete global batch (default False: every sample is
+            used; advice: keep False unless a fixed batch size matters more than the data).
 
     Raises:
-        ValueError: ``num_replicas > num_samples``, invalid ``rank``,
-            ``global_batch_size < num_replicas``, a last incomplete batch with
-            fewer samples than ranks (use ``drop_last=True`` or another B),
-            or ``drop_last=True`` with ``num_samples < global_batch_size``
-            (no batch at all); each message names the values.
+        ValueError: a value below its minimum, invalid ``rank``, or ``drop_last=True`` with
+            ``num_samples < global_batch_size`` (no batch at all); each message names the
+            values.
         TypeError: a non-integer argument.
 
     Usage::
@@ -76,7 +84,7 @@ class GlobalBatchSampler:
         sampler = GlobalBatchSampler(len(train), 256, seed=0, rank=r, num_replicas=R)
         for epoch in range(E):
             sampler.set_epoch(epoch)
-            for idx in sampler:          # int64 indices of this rank's shard
+            for idx in sampler:          # int64 indices of this rank's shard (may be empty)
                 xb, yb = train.get_batch(idx)
     """
 
@@ -87,28 +95,12 @@ class GlobalBatchSampler:
         R = _int("num_replicas", num_replicas, 1)
         self.seed = _int("seed", seed, 0)
         r = operator.index(rank)
-        if R > n:
-            raise ValueError(
-                f"num_replicas={R} exceeds num_samples={n}: every rank needs at least one sample; "
-                f"use at most {n} ranks"
-            )
         if not 0 <= r < R:
             raise ValueError(f"rank={r} is invalid for num_replicas={R}; allowed 0..{R - 1}")
-        if B < R:
-            raise ValueError(
-                f"global_batch_size={B} is smaller than num_replicas={R}: some rank would get an "
-                f"empty shard; use global_batch_size >= {R}"
-            )
-        last = n % B
         if drop_last and n < B:
             raise ValueError(
-                f"drop_last=True with num_samples={n} < global_batch_size={B} leaves no batch"
-            )
-        if not drop_last and 0 < last < R:
-            raise ValueError(
-                f"the last global batch has {last} sample(s) (num_samples={n}, global_batch_size={B}) "
-                f"but num_replicas={R}: some rank would get an empty shard; use drop_last=True or a "
-                f"global_batch_size with num_samples % global_batch_size == 0 or >= num_replicas"
+                f"drop_last=True with num_samples={n} < global_batch_size={B} leaves no batch; "
+                f"use drop_last=False or global_batch_size <= {n}"
             )
         self.num_samples, self.global_batch_size = n, B
         self.rank, self.num_replicas, self.drop_last = r, R, bool(drop_last)
@@ -134,9 +126,17 @@ class GlobalBatchSampler:
         return [perm[i * B:(i + 1) * B] for i in range(len(self))]
 
     def shard(self, batch: np.ndarray) -> np.ndarray:
-        """This rank's contiguous chunk of ``batch`` (``np.array_split`` rule)."""
+        """This rank's contiguous chunk of ``batch`` (``np.array_split`` rule), int64; an
+        empty int64 array when ``len(batch) <= rank`` (fewer samples than replicas)."""
         start, stop = shard_bounds(len(batch), self.rank, self.num_replicas)
-        return batch[start:stop]
+        return np.asarray(batch, dtype=np.int64)[start:stop]
+
+    def weight(self, batch: np.ndarray) -> float:
+        """This rank's share ``len(shard(batch)) / len(batch)`` of the global batch: the
+        ``weight`` of ``GradientBuckets.average`` / ``average_gradients`` when every rank
+        computes the mean loss over its own shard (0.0 for an empty shard)."""
+        start, stop = shard_bounds(len(batch), self.rank, self.num_replicas)
+        return (stop - start) / len(batch)
 
     def __iter__(self):
         for batch in self.global_batches(self.epoch):

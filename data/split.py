@@ -184,6 +184,7 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int):
     """
     if not (isinstance(test_fraction, (float, int)) and 0.0 < float(test_fraction) < 1.0):
         raise ValueError(f"test_fraction={test_fraction!r} must be a number with 0 < test_fraction < 1")
+    # lazy: scikit-learn is heavy (~2 s to import) and only the unsplit bundled sets need it
     from sklearn.model_selection import train_test_split
 
     idx = np.arange(len(y))

@@ -1,7 +1,14 @@
 """Shared pieces of the layer-wise trainers: argument checks, optimizers, stage splits,
-feature shapes and the seeded global-batch schedule (same convention as
+feature shapes, the seeded global-batch schedule (same convention as
 ``data.GlobalBatchSampler``: permutation ``default_rng([seed, epoch])``, consecutive global
-batches of ``B`` indices, replica ``r`` takes chunk ``r`` of ``np.array_split(batch, R)``).
+batches of ``B`` indices, replica ``r`` takes chunk ``r`` of ``np.array_split(batch, R)``,
+which is empty when the batch has fewer than ``r + 1`` samples) and the replica loss
+(:func:`shard_loss`).
+
+Every sample is used for every batch size and replica count: a replica with an empty shard
+runs its step on zero samples, its loss share is 0, and it still takes part in every
+collective (gradient averaging, BatchNorm statistics), so ``R`` replicas reproduce the
+single-process updates.
 
 Every check here is a pure function of its arguments, so a bad configuration raises the same
 ``ValueError`` on every rank before any communication.
@@ -13,10 +20,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["OPTIMIZERS", "check_int", "check_float", "make_optimizer", "split_stages",
-           "output_shapes", "global_batches", "shard", "as_tensor", "module_dtype"]
+           "output_shapes", "global_batches", "shard", "shard_loss", "release_gradients",
+           "as_tensor", "module_dtype"]
 
 #: Optimizer names accepted by :func:`make_optimizer`.
 OPTIMIZERS = ("sgd", "adam")
@@ -122,21 +131,49 @@ def global_batches(num_samples: int, batch_size: int, seed: int, epoch: int,
                    num_replicas: int = 1, drop_last: bool = False) -> list[np.ndarray]:
     """The global batches (int64 index arrays) of one epoch.
 
-    A final incomplete batch is kept unless ``drop_last`` or it has fewer samples than
-    ``num_replicas`` (every replica needs a non-empty shard).
+    Every sample is used: a final incomplete batch is kept unless ``drop_last`` (an explicit
+    user choice) -- also when it has fewer samples than ``num_replicas`` (the last replicas
+    then get empty shards, see :func:`shard`). ``num_replicas`` does not change the batches
+    (kept for callers that pass it).
     """
     perm = np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64)
     batches = [perm[i:i + batch_size] for i in range(0, num_samples, batch_size)]
-    if batches and len(batches[-1]) < batch_size and (drop_last or len(batches[-1]) < num_replicas):
+    if batches and drop_last and len(batches[-1]) < batch_size:
         batches.pop()
     return batches
 
 
 def shard(batch: np.ndarray, rank: int, num_replicas: int) -> np.ndarray:
-    """Chunk ``rank`` of ``np.array_split(batch, num_replicas)`` (as ``data.shard_bounds``)."""
+    """Chunk ``rank`` of ``np.array_split(batch, num_replicas)`` (as ``data.shard_bounds``):
+    int64, empty when ``len(batch) <= rank``."""
     q, rem = divmod(len(batch), num_replicas)
     start = rank * q + min(rank, rem)
-    return batch[start:start + q + (1 if rank < rem else 0)]
+    return np.asarray(batch, dtype=np.int64)[start:start + q + (1 if rank < rem else 0)]
+
+
+def shard_loss(logits: torch.Tensor, y: torch.Tensor, global_batch: int,
+               num_replicas: int = 1) -> torch.Tensor:
+    """This replica's cross-entropy loss such that the **mean** of the replicas' gradients is
+    the gradient of the mean loss over the global batch of ``global_batch`` samples.
+
+    ``F.cross_entropy(logits, y)`` (the mean over the shard) when every replica holds
+    ``global_batch / num_replicas`` samples (bitwise the single-process loss for one
+    replica); otherwise the summed loss times ``num_replicas / global_batch`` (0 for an empty
+    shard). Unlike weighting the averaged gradients by the shard size, this keeps the loss a
+    share of one global loss, which the cross-replica backward of synchronized BatchNorm
+    (:mod:`layerwise.replicas`) needs. ``logits`` ``(n, C)``, ``y`` int64 ``(n,)``, ``n >= 0``.
+    """
+    if len(y) * num_replicas == global_batch:
+        return F.cross_entropy(logits, y)
+    return F.cross_entropy(logits, y, reduction="sum") * (num_replicas / global_batch)
+
+
+def release_gradients(modules: Iterable[nn.Module]) -> None:
+    """Set ``.grad = None`` on every parameter of ``modules`` (frees the memory of gradients
+    that no later step reads: finished stages, the end of training)."""
+    for m in modules:
+        for p in m.parameters():
+            p.grad = None
 
 
 def as_tensor(x, dtype: torch.dtype | None = None) -> torch.Tensor:

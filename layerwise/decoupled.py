@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .common import check_int, make_optimizer, module_dtype, output_shapes, split_stages
+from .common import (check_int, make_optimizer, module_dtype, output_shapes, release_gradients,
+                     shard_loss, split_stages)
 from .evaluate import evaluate
 from .heads import HeadSpec, make_head
 
@@ -113,13 +113,18 @@ class DecoupledModel(nn.Module):
 
 def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
                optimizer: torch.optim.Optimizer,
-               after_backward: Callable[[int], None] | None = None):
-    """One local DGL update of stage ``k`` on a batch.
+               after_backward: Callable[[int], None] | None = None,
+               global_batch: int | None = None, num_replicas: int = 1):
+    """One local DGL update of stage ``k`` on a batch (or one replica's shard of it).
 
     Args:
-        x: stage input ``(b, *in_shapes[k])`` (no graph attached); y: int64 labels ``(b,)``.
+        x: stage input ``(b, *in_shapes[k])`` (no graph attached; ``b`` may be 0 for a replica
+            with an empty shard); y: int64 labels ``(b,)``.
         after_backward: called with ``k`` between ``backward`` and ``optimizer.step`` (used for
             data-parallel gradient averaging).
+        global_batch, num_replicas: the global batch size this shard belongs to and the number
+            of replicas; the loss is :func:`~layerwise.common.shard_loss` (default: the mean
+            over ``x``, the single-process loss).
 
     Returns:
         ``(out, loss_sum, correct)``: detached output ``(b, *out_shapes[k])``, the summed
@@ -127,7 +132,8 @@ def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
     """
     out = model.bodies[k](x)
     logits = model.heads[k](out)
-    loss = F.cross_entropy(logits, y)
+    n = len(y) if global_batch is None else global_batch
+    loss = shard_loss(logits, y, n, num_replicas)
     optimizer.zero_grad()
     loss.backward()
     if after_backward is not None:
@@ -135,7 +141,8 @@ def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
     optimizer.step()
     with torch.no_grad():
         correct = int((logits.argmax(1) == y).sum())
-    return out.detach(), float(loss.detach()) * len(y), correct
+    scale = len(y) if len(y) * num_replicas == n else n / num_replicas
+    return out.detach(), float(loss.detach()) * scale, correct
 
 
 class DecoupledTrainer:
@@ -178,7 +185,8 @@ class DecoupledTrainer:
         """Train on ``x[idx], y[idx]`` for every index array in ``batches``.
 
         Returns ``{"stage_loss": [...], "stage_acc": [...], "loss": last stage's mean loss,
-        "train_acc": last stage's accuracy}`` (running averages over the epoch).
+        "train_acc": last stage's accuracy}`` (running averages over the epoch). The
+        parameters' ``.grad`` are released (``None``) at the end.
         """
         K = self.model.num_stages
         tot = np.zeros((K, 3))
@@ -186,6 +194,7 @@ class DecoupledTrainer:
         for idx in batches:
             idx = torch.as_tensor(idx)
             tot += np.array(self.train_batch(x[idx], y[idx]), dtype=float)
+        release_gradients([self.model])  # nothing reads them before the next step
         return summarize(tot)
 
 

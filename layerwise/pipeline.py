@@ -10,8 +10,14 @@ Receives are posted one batch ahead, so rank ``r`` computes batch ``i`` while ra
 computes batch ``i + 1``. Because DGL has no backward dependency between stages, the updates are
 exactly those of :class:`~layerwise.decoupled.DecoupledTrainer` with the same batch order; with
 ``P_D > 1`` each stage's gradients (body + head) are averaged over ``grid.data_comm`` before its
-step (weights ``shard / global batch`` when shards are unequal), which equals the global-batch
-gradient up to rounding.
+step (each replica's loss is its share of the global mean loss,
+:func:`~layerwise.common.shard_loss`), which equals the global-batch gradient up to rounding,
+for every batch size: a replica whose shard of a batch is empty (the batch has fewer samples
+than replicas) runs the stage on zero samples and contributes zero. BatchNorm layers use the
+statistics of the global batch and update their running statistics identically on every
+replica; any other module whose buffers change in a training forward is refused with a
+``ValueError`` on every rank before any step (:mod:`layerwise.replicas`). So ``P_D`` replicas
+equal the single-process trainer, weights and buffers, up to rounding.
 
 Asynchronous variant: every stage but the first samples its input from a bounded replay buffer
 (FIFO, ``buffer_size``) filled by whatever has arrived; runs are then timing dependent.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import ExitStack
 from typing import Sequence
 
 import numpy as np
@@ -32,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from mgrit.parallel.dataparallel import GradientBuckets, check_replicas_consistent
+from mgrit.parallel.dataparallel import (GradientBuckets, broadcast_parameters,
+                                         check_replicas_consistent)
 from mgrit.parallel.procgrid import ProcessGrid
 
-from .common import check_int, make_optimizer, shard
+from .common import check_int, make_optimizer, release_gradients, shard
 from .decoupled import DecoupledModel, stage_step, summarize
+from .replicas import ReplicaSync, refuse_unsynchronized
 
 __all__ = ["DecoupledPipeline"]
 
@@ -87,8 +96,8 @@ class DecoupledPipeline:
 
     Args:
         model: the full :class:`DecoupledModel`, built identically on every rank (only this
-            rank's stages are trained; replicas are made identical by a broadcast from data
-            rank 0 at set-up).
+            rank's stages are trained; replicas are made identical by a broadcast of the
+            parameters and buffers from data rank 0 at set-up).
         grid: the process grid (default: a 1 x 1 grid on ``MPI.COMM_SELF``).
         stages_per_rank: if given, ``K`` must equal ``P_L * stages_per_rank``; default: any
             ``K >= P_L``, stages split as evenly as possible (earlier ranks get more).
@@ -100,7 +109,9 @@ class DecoupledPipeline:
 
     Raises:
         ValueError: more layer ranks than stages; ``K != P_L * stages_per_rank``; bad optimizer
-            settings; replicas with different parameter shapes.
+            settings; replicas with different parameter shapes; with ``P_D > 1`` a module other
+            than BatchNorm whose buffers change in a training forward
+            (:func:`layerwise.replicas.refuse_unsynchronized`). Raised on every rank.
     """
 
     def __init__(self, model: DecoupledModel, grid: ProcessGrid | None = None, *,
@@ -131,16 +142,18 @@ class DecoupledPipeline:
         self.rng = np.random.default_rng([seed, grid.comm.Get_rank(), 7])
         self.comm_stats = {"messages": 0, "bytes_sent": 0, "comm_wait": 0.0}
         self._pending: deque = deque()
+        #: per owned stage: BatchNorm synchronization and buffer guard over the replicas
+        self.syncs = {k: ReplicaSync([model.bodies[k], model.heads[k]], grid.data_comm,
+                                     names=[f"bodies.{k}", f"heads.{k}"]) for k in self.owned} \
+            if grid.data_size > 1 else {}
         if grid.data_size > 1:
-            params = [p for k in self.owned for p in model.stage_parameters(k)]
-            check_replicas_consistent(params, grid.data_comm, what=f"stages {self.owned}")
-            with torch.no_grad():
-                for p in [p for k in self.owned for p in (*model.bodies[k].parameters(),
-                                                          *model.heads[k].parameters())]:
-                    buf = p.data.numpy() if p.is_contiguous() else None
-                    if buf is None:
-                        raise ValueError("non-contiguous parameter cannot be broadcast")
-                    grid.data_comm.Bcast([buf.reshape(-1).view(np.uint8), MPI.BYTE], root=0)
+            mods = [mod for k in self.owned for mod in (model.bodies[k], model.heads[k])]
+            state = [t for mod in mods for t in (*mod.parameters(), *mod.buffers())]
+            check_replicas_consistent(state, grid.data_comm, what=f"stages {self.owned}")
+            refuse_unsynchronized([self.syncs[k] for k in self.owned],
+                                  [model.in_shapes[k] for k in self.owned], model.dtype,
+                                  grid.data_comm)
+            broadcast_parameters(state, grid.data_comm, root=0)
 
     # ---------------------------------------------------------------- messages
     @property
@@ -188,24 +201,27 @@ class DecoupledPipeline:
         Returns:
             the same metrics dict on every rank: ``loss``/``train_acc`` of the last stage and
             ``stage_loss``/``stage_train_acc`` of every stage (running averages over the epoch
-            and all replicas).
+            and all replicas). The owned stages' ``.grad`` are released (``None``) at the end.
+
+        Raises:
+            ValueError (on every replica, before the step): a module other than BatchNorm
+                changed a buffer in its training forward while ``P_D > 1``.
         """
         m, g = self.model, self.grid
         D, d = g.data_size, g.data_rank
         nb, K = len(batches), m.num_stages
         n_local = [len(shard(b, d, D)) for b in batches]
         max_n = max(n_local, default=0)
-        equal = all(len(b) % D == 0 for b in batches)
         tot = np.zeros((K, 3))
-        weight = [None]
-
+        syncs = self.syncs
         buckets = {}  # per stage: persistent flat gradient buffers (built alike on replicas)
 
         def avg(k):
             if D > 1:
+                syncs[k].end_step()
                 if k not in buckets:
                     buckets[k] = GradientBuckets(m.stage_parameters(k), g.data_comm)
-                buckets[k].average(weight=weight[0])
+                buckets[k].average()
 
         specs = None if self._first else [(_TAG_ACT, m.dtype, m.in_shapes[self.owned[0]], max_n),
                                           (_TAG_LAB, torch.int64, (), max_n)]
@@ -213,35 +229,43 @@ class DecoupledPipeline:
         received = 1 if recv is not None else 0
         buffers = {k: deque(maxlen=self.buffer_size) for k in self.owned if k > 0}
         m.train()
-        for i, b in enumerate(batches):
-            weight[0] = None if equal else n_local[i] / len(b)
-            if self._first:
-                idx = torch.as_tensor(shard(b, d, D))
-                xb, yb = x[idx], y[idx]
-            elif not self.asynchronous:
-                xb, yb = recv.wait(self.comm_stats)
-                recv = self._post(specs) if i + 1 < nb else None
-            else:  # drain what has arrived; block only when the buffer is empty
-                buf = buffers[self.owned[0]]
-                while recv is not None and (not buf or recv.test()):
-                    buf.append(tuple(recv.wait(self.comm_stats)))
-                    recv = self._post(specs) if received < nb else None
-                    received += recv is not None
-            for k in self.owned:
-                if self.asynchronous and k > 0:
-                    buf = buffers[k]
-                    if k != self.owned[0]:
-                        buf.append((xb, yb))
-                    xb, yb = buf[int(self.rng.integers(len(buf)))]
-                xb, loss, correct = stage_step(m, k, xb, yb, self.optimizers[k], avg)
-                tot[k] += (loss, correct, len(yb))
-            if not self._last:
-                self._send([xb, yb], [_TAG_ACT, _TAG_LAB])
+        with ExitStack() as stack:
+            for sync in syncs.values():
+                stack.enter_context(sync)
+            for i, b in enumerate(batches):
+                if self._first:
+                    idx = torch.as_tensor(shard(b, d, D))
+                    xb, yb = x[idx], y[idx]
+                elif not self.asynchronous:
+                    xb, yb = recv.wait(self.comm_stats)
+                    recv = self._post(specs) if i + 1 < nb else None
+                else:  # drain what has arrived; block only when the buffer is empty
+                    buf = buffers[self.owned[0]]
+                    while recv is not None and (not buf or recv.test()):
+                        buf.append(tuple(recv.wait(self.comm_stats)))
+                        recv = self._post(specs) if received < nb else None
+                        received += recv is not None
+                for k in self.owned:
+                    if self.asynchronous and k > 0:
+                        buf = buffers[k]
+                        if k != self.owned[0]:
+                            buf.append((xb, yb))
+                        xb, yb = buf[int(self.rng.integers(len(buf)))]
+                    # a replayed item (asynchronous) stands alone: the mean over it, 0 if empty
+                    gb = max(len(yb) * D, 1) if self.asynchronous and k > 0 else len(b)
+                    if D > 1:
+                        syncs[k].begin_step()
+                    xb, loss, correct = stage_step(m, k, xb, yb, self.optimizers[k], avg,
+                                                   global_batch=gb, num_replicas=D)
+                    tot[k] += (loss, correct, len(yb))
+                if not self._last:
+                    self._send([xb, yb], [_TAG_ACT, _TAG_LAB])
         while recv is not None:  # async: consume the rest so every send is matched
             recv.wait(self.comm_stats)
             recv = self._post(specs) if received < nb else None
             received += recv is not None
         self._flush()
+        release_gradients([mod for k in self.owned for mod in (m.bodies[k], m.heads[k])])
         g.comm.Allreduce(MPI.IN_PLACE, [tot, MPI.DOUBLE], op=MPI.SUM)
         return summarize(tot)
 

@@ -17,11 +17,21 @@ and, optionally, the whole network is fine-tuned end to end for ``finetune_epoch
 layers' original ``requires_grad`` flags are restored when :meth:`SequentialTrainer.fit` ends.
 
 Data parallelism: pass the data-parallel communicator; each replica trains on its shard of every
-global batch and the gradients are averaged (every replica holds the full feature cache).
+global batch (every sample is used; a replica whose shard is empty contributes zero) and the
+gradients are averaged, every replica holding the full feature cache. BatchNorm layers use the
+statistics of the global batch and update their running statistics identically on every
+replica; any other module whose buffers change in a training forward is refused with a
+``ValueError`` on every rank before its first step (:mod:`layerwise.replicas`). So ``R``
+replicas give the single-process result up to rounding.
+
+Memory: when a stage ends, the gradients of everything it trained are released (``.grad =
+None``; a frozen layer never needs them again) and its optimizer (momentum/Adam state) is
+dropped, so memory does not grow with the number of stages.
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import numpy as np
@@ -33,9 +43,10 @@ from torch import nn
 from mgrit.parallel.dataparallel import GradientBuckets
 
 from .common import (check_float, check_int, global_batches, make_optimizer, module_dtype,
-                     output_shapes, shard)
+                     output_shapes, release_gradients, shard, shard_loss)
 from .evaluate import accuracy
 from .heads import HeadSpec, check_head_fits, make_head
+from .replicas import ReplicaSync, refuse_unsynchronized
 
 __all__ = ["SequentialTrainer", "GROW_MODES"]
 
@@ -67,7 +78,9 @@ class SequentialTrainer:
 
     Raises:
         ValueError: unknown ``grow``/``head``/``optimizer``; non-positive epochs, lr or
-            batch size; a head that does not fit a layer's output shape.
+            batch size; a head that does not fit a layer's output shape; with replicas, a
+            module other than BatchNorm whose buffers change in a training forward (on every
+            rank, :func:`layerwise.replicas.refuse_unsynchronized`).
     """
 
     def __init__(self, layers: Sequence[nn.Module], num_classes: int, in_shape: Sequence[int], *,
@@ -120,7 +133,17 @@ class SequentialTrainer:
                                                 dtype=self.dtype))
                 except ValueError as exc:
                     raise ValueError(f"layer {k}: {exc}") from None
+        self._names = {id(m): f"layers.{k}" for k, m in enumerate(self.layers)}
+        self._names.update({id(h): f"heads.{k}" for k, h in enumerate(self.heads)})
+        if data_comm is not None and data_comm.Get_size() > 1:
+            ins = [tuple(in_shape), *self.shapes[:-1]]
+            refuse_unsynchronized([self._sync([layer, self.heads[k if grow == "top" else 0]])
+                                   for k, layer in enumerate(self.layers)], ins, self.dtype,
+                                  data_comm)
         self.history: list[dict] = []
+        #: the optimizer of the stage being trained (None between stages: a finished stage's
+        #: optimizer state is dropped)
+        self.optimizer: torch.optim.Optimizer | None = None
         self._epoch = 0
 
     @property
@@ -139,6 +162,9 @@ class SequentialTrainer:
         self.network.load_state_dict(state)
 
     # ------------------------------------------------------------------ helpers
+    def _sync(self, modules: Sequence[nn.Module]) -> ReplicaSync:
+        return ReplicaSync(modules, self.data_comm, names=[self._names[id(m)] for m in modules])
+
     def _cache_forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` in eval mode without a graph, ``cache_batch_size`` rows at a time."""
         training = module.training
@@ -157,18 +183,25 @@ class SequentialTrainer:
         net = nn.Sequential(*modules)
         params = [p for p in net.parameters() if p.requires_grad]
         buckets = GradientBuckets(params, comm) if D > 1 else None  # persistent flat buffers
+        sync = self._sync(modules) if D > 1 else None  # BatchNorm + buffer guard
         net.train()
         tot = np.zeros(3)
-        for b in global_batches(len(y), self.batch_size, self.seed, self._epoch, D):
-            idx = torch.as_tensor(shard(b, d, D))
-            logits = net(feats[idx])
-            loss = F.cross_entropy(logits, y[idx])
-            opt.zero_grad()
-            loss.backward()
-            if buckets is not None:
-                buckets.average(weight=None if len(b) % D == 0 else len(idx) / len(b))
-            opt.step()
-            tot += (float(loss.detach()) * len(idx), int((logits.argmax(1) == y[idx]).sum()), len(idx))
+        with sync if sync is not None else nullcontext():
+            for b in global_batches(len(y), self.batch_size, self.seed, self._epoch):
+                idx = torch.as_tensor(shard(b, d, D))
+                if sync is not None:
+                    sync.begin_step()
+                logits = net(feats[idx])
+                loss = shard_loss(logits, y[idx], len(b), D)
+                opt.zero_grad()
+                loss.backward()
+                if buckets is not None:
+                    sync.end_step()
+                    buckets.average()
+                opt.step()
+                scale = len(idx) if len(idx) * D == len(b) else len(b) / D  # loss -> summed loss
+                tot += (float(loss.detach()) * scale, int((logits.argmax(1) == y[idx]).sum()),
+                        len(idx))
         if D > 1:
             comm.Allreduce(MPI.IN_PLACE, [tot, MPI.DOUBLE], op=MPI.SUM)
         self._epoch += 1
@@ -188,18 +221,24 @@ class SequentialTrainer:
         return accuracy(logits, y)
 
     def _run(self, stage, modules, lr, epochs, feats, y, test_feats, test_y) -> None:
+        """Train ``modules`` for ``epochs`` with a fresh optimizer; afterwards their gradients
+        are released and the optimizer (its state) is dropped."""
         name, momentum, wd = self.opt_args
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        opt = make_optimizer(name, params, lr, momentum, wd)
-        for _ in range(epochs):
-            t0 = time.perf_counter()
-            loss, acc = self._train_epoch(modules, opt, feats, y)
-            rec = {"stage": stage, "epoch": self._epoch, "loss": loss, "train_acc": acc,
-                   "test_acc": self._test_acc(modules, test_feats, test_y),
-                   "time": time.perf_counter() - t0}
-            self.history.append(rec)
-            if self.log is not None:
-                self.log(rec)
+        self.optimizer = make_optimizer(name, params, lr, momentum, wd)
+        try:
+            for _ in range(epochs):
+                t0 = time.perf_counter()
+                loss, acc = self._train_epoch(modules, self.optimizer, feats, y)
+                rec = {"stage": stage, "epoch": self._epoch, "loss": loss, "train_acc": acc,
+                       "test_acc": self._test_acc(modules, test_feats, test_y),
+                       "time": time.perf_counter() - t0}
+                self.history.append(rec)
+                if self.log is not None:
+                    self.log(rec)
+        finally:
+            self.optimizer = None
+            release_gradients(modules)
 
     # ------------------------------------------------------------------ training
     def fit(self, x: torch.Tensor, y: torch.Tensor, test_x: torch.Tensor | None = None,

@@ -61,16 +61,65 @@ def make_cifar_arrays(seed=0, per_batch=4):
     return batches
 
 
-def write_cifar(folder: Path, batches: dict, drop_key=None, meta=True) -> Path:
+def write_cifar(folder: Path, batches: dict, drop_key=None, meta=True, protocol=2) -> Path:
+    """CIFAR batches pickled by this Python (``protocol`` 2, 4 or 5), or ``protocol="py2"``:
+    byte for byte what Python 2's cPickle wrote for the official files (:func:`py2_batch_pickle`)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, (data, labels) in batches.items():
         d = {b"batch_label": name.encode(), b"labels": labels, b"data": data,
              b"filenames": [f"img{i}.png".encode() for i in range(len(labels))]}
         if drop_key is not None and name == "data_batch_3":
             d.pop(drop_key)
+        if protocol == "py2":
+            (folder / name).write_bytes(py2_batch_pickle(d))
+            continue
         with open(folder / name, "wb") as f:
-            pickle.dump(d, f, protocol=2)
+            pickle.dump(d, f, protocol=protocol)
     if meta:
         with open(folder / "batches.meta", "wb") as f:
             pickle.dump({b"label_names": CIFAR_NAMES, b"num_cases_per_batch": 10000, b"num_vis": 3072}, f, protocol=2)
     return folder
+
+
+def _py2_str(b: bytes) -> bytes:
+    """Python 2 ``str``: SHORT_BINSTRING / BINSTRING (unpickled as bytes with encoding="bytes")."""
+    return (b"U" + bytes([len(b)]) + b) if len(b) < 256 else (b"T" + struct.pack("<i", len(b)) + b)
+
+
+def _py2_int(v: int) -> bytes:
+    return b"K" + bytes([v]) if 0 <= v < 256 else b"J" + struct.pack("<i", v)
+
+
+def _py2_value(v) -> bytes:
+    if isinstance(v, bytes):
+        return _py2_str(v)
+    if isinstance(v, int):
+        return _py2_int(v)
+    if isinstance(v, list):
+        return b"](" + b"".join(_py2_value(e) for e in v) + b"e"  # EMPTY_LIST MARK ... APPENDS
+    if isinstance(v, np.ndarray):  # numpy 1.x ndarray.__reduce__ under Python 2 (protocol 2)
+        assert v.dtype == np.uint8 and v.ndim == 2
+        return (b"cnumpy.core.multiarray\n_reconstruct\n" b"cnumpy\nndarray\n"
+                + _py2_int(0) + b"\x85" + _py2_str(b"b") + b"\x87R"           # (ndarray, (0,), 'b')
+                + b"(" + _py2_int(1) + _py2_int(v.shape[0]) + _py2_int(v.shape[1]) + b"\x86"
+                + b"cnumpy\ndtype\n" + _py2_str(b"u1") + _py2_int(0) + _py2_int(1) + b"\x87R"
+                + b"(" + _py2_int(3) + _py2_str(b"|") + b"NNN" + _py2_int(-1) + _py2_int(-1)
+                + _py2_int(0) + b"tb"                                          # dtype state
+                + b"\x89" + _py2_str(v.tobytes()) + b"tb")                    # array state
+    raise TypeError(type(v))
+
+
+def py2_batch_pickle(d: dict) -> bytes:
+    """A CIFAR batch dict as Python 2's ``cPickle.dump(d, f, 2)`` with numpy 1.x wrote it (the
+    official ``cifar-10-batches-py`` files): str opcodes for keys, and the globals
+    ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype``."""
+    body = b"".join(_py2_value(k) + _py2_value(v) for k, v in d.items())
+    return b"\x80\x02}(" + body + b"u."
+
+
+def idx_raw(code: int, dims, payload: bytes = b"", magic_prefix: bytes = b"\x00\x00",
+            ndim: int | None = None) -> bytes:
+    """Raw IDX bytes with any header: ``magic_prefix`` + type ``code`` + ``ndim`` (default
+    ``len(dims)``) + big-endian uint32 ``dims`` + ``payload`` (crafted-header tests)."""
+    ndim = len(dims) if ndim is None else ndim
+    return magic_prefix + bytes([code, ndim]) + struct.pack(f">{len(dims)}I", *dims) + payload

@@ -22,10 +22,25 @@ def mnist5k_raw():
     return load_dataset("mnist5k", normalize=False)
 
 
-def test_available():
-    assert available_datasets() == ["cifar10", "digits", "fashion-mnist", "mnist", "mnist5k", "peaks"]
-    with pytest.raises(ValueError, match=r"unknown data set 'imagenet'; allowed: cifar10, digits"):
+def test_available_and_every_list_of_names_is_complete():
+    """Each message listing allowed names lists every name accepted in its context."""
+    from data import load_raw, prepare, source_datasets
+
+    sources = ["cifar10", "digits", "fashion-mnist", "mnist", "mnist5k", "peaks"]
+    assert source_datasets() == sources
+    assert available_datasets() == sorted(sources + ["hdf5"])
+    with pytest.raises(ValueError) as e:
         load_dataset("imagenet")
+    assert str(e.value) == f"unknown data set 'imagenet'; allowed: {', '.join(available_datasets())}"
+    for call in (lambda: load_raw("imagenet"), lambda: prepare("imagenet", "/nonexistent/out")):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"unknown data set 'imagenet'; allowed: {', '.join(sources)}"
+    with pytest.raises(ValueError, match=r"'hdf5' names an existing cache pair .*one of cifar10, digits, "
+                                         r"fashion-mnist, mnist, mnist5k, peaks$"):
+        load_raw("hdf5")
+    with pytest.raises(ValueError, match=r"hdf5: pass root="):  # accepted, needs its files
+        load_dataset("HDF5")
 
 
 def test_digits_shapes_and_values(digits_raw):

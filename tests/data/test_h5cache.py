@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import data.h5cache as h5cache
-from data import (DataFormatError, FORMAT_VERSION, GlobalBatchSampler, load_dataset,
+from data import (DataFormatError, FORMAT_VERSION, GlobalBatchSampler, available_datasets, load_dataset,
                   open_h5_split, prepare)
 from data.__main__ import main
 
@@ -135,7 +135,7 @@ def test_prepare_mnist_from_idx_and_peaks(tmp_path):
     arrays = make_mnist_arrays(seed=11)
     write_mnist(tmp_path / "src" / "MNIST" / "raw", arrays, gz=True)
     out = tmp_path / "out"
-    assert main(["prepare", "mnist", "--root", str(tmp_path / "src"), "--out", str(out)]) == 0
+    assert main(["prepare", "mnist", "--data-root", str(tmp_path / "src"), "--out", str(out)]) == 0
     tr, te = load_dataset("hdf5", root=out / "mnist-train.h5", normalize=False)
     assert np.array_equal(tr.x[:][:, 0], arrays["train_images"]) and np.array_equal(tr.y, arrays["train_labels"])
     assert np.array_equal(te.x[:][:, 0], arrays["test_images"]) and np.array_equal(te.y, arrays["test_labels"])
@@ -259,13 +259,24 @@ def test_cli(tmp_path, capsys):
     assert e.value.code == 0 and "prepare" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["prepare", "--help"])
-    assert "--root" in capsys.readouterr().out
+    helptext = capsys.readouterr().out
+    # one name for the flag, as in experiments/train.py; the old --root is a hidden alias
+    assert "--data-root" in helptext and "--root" not in helptext.replace("--data-root", "")
     assert main(["list"]) == 0
     listing = capsys.readouterr().out
-    assert "mnist5k" in listing and "peaks" in listing and "hdf5" in listing
-    assert main(["prepare", "mnist", "--root", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert [line.split()[0] for line in listing.splitlines()] == available_datasets()
+    assert "--root" not in listing.replace("--data-root", "")
+    assert main(["prepare", "mnist", "--data-root", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: mnist: file 'train-images-idx3-ubyte'") and "download=True" in err
+    assert main(["prepare", "mnist", "--root", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --root is deprecated; use --data-root\nerror: mnist: file"), err
+    with pytest.raises(SystemExit):
+        main(["prepare", "mnist", "--root", "a", "--data-root", "b"])
+    assert "give the source folder once" in capsys.readouterr().err
+    assert main(["prepare", "hdf5", "--out", str(tmp_path / "o")]) == 2
+    assert "'hdf5' names an existing cache pair" in capsys.readouterr().err
     assert main(["prepare", "nosuch", "--out", str(tmp_path / "o")]) == 2
     assert "unknown data set 'nosuch'" in capsys.readouterr().err
     assert _listing(tmp_path / "o") == []

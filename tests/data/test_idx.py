@@ -10,7 +10,7 @@ import pytest
 from data import DataFormatError, load_dataset, read_idx, write_idx
 from data.idx import IMAGES_MAGIC, LABELS_MAGIC
 
-from .formats import MNIST_FILES, idx_bytes, make_mnist_arrays, write_bytes, write_mnist
+from .formats import MNIST_FILES, idx_bytes, idx_raw, make_mnist_arrays, write_bytes, write_mnist
 
 
 def _check_exact(train, test, arrays):
@@ -152,3 +152,54 @@ def test_gzip_detected_by_content_not_name(tmp_path):
     p = tmp_path / "noext"
     p.write_bytes(gzip.compress(idx_bytes(arr)))
     assert np.array_equal(read_idx(p, IMAGES_MAGIC), arr)
+
+
+_U8 = 0x08
+_CRAFTED = {  # name: (bytes, regex of the message after "<file>: ")
+    "huge dims wrap int64": (idx_raw(_U8, (2**31, 2**31, 4)),
+                             r"IDX size mismatch: header dims \(2147483648, 2147483648, 4\) of 1-byte items "
+                             r"need 18446744073709551616 data bytes, file has 0"),
+    "huge dims with payload": (idx_raw(0x0E, (2**32 - 1, 2**32 - 1), b"\x00" * 64),
+                               r"IDX size mismatch: .* need \d{20,} data bytes, file has 64"),
+    "product wraps to payload": (idx_raw(_U8, (2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1), b"\x01"),
+                                 r"IDX size mismatch"),
+    "no dimensions": (idx_raw(_U8, ()), r"invalid IDX magic number 0x00000800; .*DD >= 1"),
+    "a dimension of size 0": (idx_raw(_U8, (0, 28, 28)),
+                              r"IDX header declares a dimension of size 0 \(dims \(0, 28, 28\)\); every size must be >= 1"),
+    "wrong magic bytes": (idx_raw(_U8, (2,), b"ab", magic_prefix=b"PK"), r"invalid IDX magic number 0x504B0801"),
+    "wrong dtype code": (idx_raw(0x0A, (2,), b"ab"), r"invalid IDX magic number 0x00000A01; expected 0x0000TTDD "
+                                                     r"with type code TT in \{0x08, 0x09, 0x0B, 0x0C, 0x0D, 0x0E\}"),
+    "truncated payload": (idx_raw(0x0C, (3, 2), b"\x00" * 23),
+                          r"IDX size mismatch: header dims \(3, 2\) of 4-byte items need 24 data bytes, file has 23"),
+    "extra bytes": (idx_raw(_U8, (3, 2), b"\x00" * 7),
+                    r"IDX size mismatch: header dims \(3, 2\) of 1-byte items need 6 data bytes, file has 7"),
+    "header cut in the dims": (idx_raw(_U8, (5, 5, 5))[:10],
+                               r"IDX header declares 3 dimensions \(16 header bytes\) but the file has 10 bytes"),
+    "255 dims declared": (b"\x00\x00\x08\xff" + b"\x00\x00\x00\x01" * 3,
+                          r"IDX header declares 255 dimensions \(1024 header bytes\) but the file has 16 bytes"),
+}
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gz"])
+@pytest.mark.parametrize("case", list(_CRAFTED))
+def test_crafted_headers_are_data_format_errors_naming_the_file(tmp_path, case, gz):
+    """Every malformed header or size is a DataFormatError naming the file, never a bare
+    ValueError from numpy or a wrapped-around size check."""
+    payload, pattern = _CRAFTED[case]
+    p = write_bytes(tmp_path / "crafted-idx", payload, gz)
+    with pytest.raises(DataFormatError, match=re.escape(str(p)) + ": " + pattern):
+        read_idx(p)
+
+
+def test_crafted_header_through_load_dataset(tmp_path):
+    arrays = make_mnist_arrays()
+    paths = write_mnist(tmp_path, arrays, gz=False)
+    paths["train_images"].write_bytes(idx_raw(_U8, (2**31, 2**31, 4)))
+    with pytest.raises(DataFormatError, match=re.escape(str(paths["train_images"])) + r": IDX size mismatch"):
+        load_dataset("mnist", root=tmp_path)
+
+
+def test_write_idx_refuses_empty_arrays(tmp_path):
+    with pytest.raises(ValueError, match=r"shape \(0, 3\) is empty"):
+        write_idx(tmp_path / "e", np.zeros((0, 3), np.uint8))
+    assert list(tmp_path.iterdir()) == []

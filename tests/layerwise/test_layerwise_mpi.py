@@ -1,5 +1,9 @@
 """Pipelined DGL on 2-4 ranks equals the single-process loop (float64, <= 1e-12); data
-parallelism; identical bad-configuration errors on every rank; no hang on error.
+parallelism, also with BatchNorm (statistics of the global batch, running statistics equal to
+the single-process run and bitwise equal on the replicas) and with batch sizes that leave a
+replica an empty shard (every sample used); modules whose buffers change in forward refused
+identically on every rank before any step; identical bad-configuration errors on every rank;
+no hang on error.
 
 Checks sharing a rank count run in one launch (interpreter start-up dominates)."""
 import time
@@ -19,7 +23,16 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
         ["check_bad_config_identical", dict(kind="head")],
         ["check_bad_config_identical", dict(kind="spr")],
         ["check_train_layerwise_digits", dict(asynchronous=True)],
-        ["check_sequential_data_parallel", dict(replicas=2)],
+        # 41 = 5 x 8 + 1: the last batch has fewer samples than replicas (replica 1: empty)
+        ["check_sequential_data_parallel", dict(replicas=2, n=41)],
+        # BatchNorm1d (momentum 0.1 / None, no affine), 2 replicas, unequal shards (48 = 6 x 7 + 6)
+        [EQ, dict(net="mlp_bn", num_stages=2, stages_per_rank=2, replicas=2, batch_size=7)],
+        ["check_sequential_data_parallel", dict(replicas=2, net="mlp_bn", batch_size=7)],
+        # BatchNorm2d + an empty shard in the last batch (25 = 4 x 6 + 1)
+        [EQ, dict(net="resnet_bn", num_stages=2, stages_per_rank=2, replicas=2, head="pool",
+                  batch_size=6, n=25)],
+        ["check_buffer_guard", dict(net="mlp_counter", method="decoupled")],
+        ["check_buffer_guard", dict(net="mlp_instancenorm", method="sequential")],
     ]
     res = eval(run_mpi(f"{CASES}:check_many", 2, checks=checks)[0])
     assert res[0] <= 1e-12 and res[1] <= 1e-12
@@ -28,18 +41,30 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
     assert "does not fit the stage output shape" in res[4]
     assert "ranks do not match" in res[5]
     assert res[6] > 0.6  # asynchronous pipeline: best epoch (timing-dependent path; chance 0.1)
-    assert res[7] <= 1e-12
+    assert max(res[7:11]) <= 1e-12
+    assert res[11].startswith("rank 0: module bodies.1.0.2 (StepCounter) changed its buffer(s) "
+                              "'steps' in a training forward: with 2 data-parallel replicas")
+    assert "module layers.4.2 (InstanceNorm1d) changed its buffer(s) 'running_mean', " \
+           "'running_var'" in res[12] and "data_parallel=1" in res[12]
 
 
-def test_three_ranks_resnet_pipeline_equals_single_process():
-    res = run_mpi(f"{CASES}:{EQ}", 3, net="resnet", num_stages=3, head="pool", optimizer="adam")
-    assert all(float(r) <= 1e-12 for r in res)
+def test_three_ranks_resnet_pipeline_and_three_replicas_equal_single_process():
+    res = run_mpi(f"{CASES}:check_many", 3, checks=[
+        [EQ, dict(net="resnet", num_stages=3, head="pool", optimizer="adam")],
+        # 3 replicas, global batch 4 < ... and last batch 41 % 4 = 1: empty shards every batch
+        [EQ, dict(net="mlp", num_stages=1, replicas=3, batch_size=4, n=41)],
+        # BatchNorm2d, last batch 26 % 8 = 2 < 3 replicas: replica 2's shard is empty (with
+        # BatchNorm1d a 2-sample batch is too ill-conditioned for 1e-12 after 8 epochs)
+        ["check_sequential_data_parallel", dict(replicas=3, net="resnet_bn", n=26)]])
+    assert all(max(eval(r)) <= 1e-12 for r in res)
 
 
 def test_two_stages_times_two_replicas_equals_single_process():
     res = run_mpi(f"{CASES}:check_many", 4, checks=[
-        [EQ, dict(net="mlp", num_stages=2, replicas=2)],
-        [EQ, dict(net="resnet", num_stages=2, replicas=2, head="conv", batch_size=12)]])
+        # 49 = 6 x 8 + 1: replica 1's stage-0 rank sends empty activations down its pipeline
+        [EQ, dict(net="mlp", num_stages=2, replicas=2, n=49)],
+        [EQ, dict(net="resnet", num_stages=2, replicas=2, head="conv", batch_size=12)],
+        [EQ, dict(net="mlp_bn", num_stages=2, replicas=2, batch_size=7)]])
     assert all(max(eval(r)) <= 1e-12 for r in res)
 
 

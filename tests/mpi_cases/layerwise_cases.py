@@ -9,16 +9,51 @@ from layerwise import (DecoupledModel, DecoupledPipeline, DecoupledTrainer, Resi
 from mgrit.parallel.procgrid import ProcessGrid
 
 
+class StepCounter(nn.Module):
+    """Identity that counts its training forwards in a buffer (a module whose buffer changes in
+    forward and that no replica synchronization knows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+        return x
+
+
+def _bn1d(k, width):
+    """BatchNorm1d variants by block index: default, cumulative average, no affine."""
+    return [nn.BatchNorm1d(width), nn.BatchNorm1d(width, momentum=None),
+            nn.BatchNorm1d(width, affine=False)][k % 3]
+
+
 def make_layers(net: str, seed: int = 0):
-    """float64 test networks: an MLP of 6 blocks, or a small CNN/ResNet of 6 blocks."""
+    """float64 test networks of 6 blocks: an MLP, a small CNN/ResNet, the same with BatchNorm
+    (``mlp_bn``, ``resnet_bn``), or with a buffer-changing module no replica sync knows
+    (``mlp_counter``: a step counter; ``mlp_instancenorm``: InstanceNorm1d with running stats)."""
     torch.manual_seed(seed)
+    dims = [12, 16, 16, 16, 16, 16, 16]
     if net == "mlp":
-        dims = [12, 16, 16, 16, 16, 16, 16]
         layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])]
-    elif net == "resnet":
-        conv = lambda: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Tanh())
-        layers = [nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU())] + \
-                 [ResidualStep(conv(), h=0.5) for _ in range(5)]
+    elif net == "mlp_bn":
+        layers = [nn.Sequential(nn.Linear(a, b), _bn1d(k, b), nn.Tanh())
+                  for k, (a, b) in enumerate(zip(dims, dims[1:]))]
+    elif net == "mlp_counter":
+        layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])]
+        layers[3].append(StepCounter())
+    elif net == "mlp_instancenorm":
+        layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])]
+        layers[4] = nn.Sequential(nn.Linear(16, 16), nn.Unflatten(1, (4, 4)),
+                                  nn.InstanceNorm1d(4, track_running_stats=True), nn.Flatten())
+    elif net in ("resnet", "resnet_bn"):
+        bn = net == "resnet_bn"
+        conv = lambda k: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1),
+                                       *([nn.BatchNorm2d(4, momentum=[0.1, None][k % 2])] if bn else []),
+                                       nn.Tanh())
+        layers = [nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *([nn.BatchNorm2d(4)] if bn else []),
+                                nn.ReLU())] + [ResidualStep(conv(k), h=0.5) for k in range(5)]
     else:
         raise ValueError(net)
     return [l.double() for l in layers]
@@ -26,16 +61,31 @@ def make_layers(net: str, seed: int = 0):
 
 def make_data(net: str, n: int = 48, classes: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    shape = (12,) if net == "mlp" else (1, 6, 6)
+    shape = (12,) if net.startswith("mlp") else (1, 6, 6)
     return (torch.randn((n, *shape), generator=g, dtype=torch.float64),
             torch.randint(0, classes, (n,), generator=g))
 
 
+def _state(modules):
+    """Parameters and buffers of ``modules`` in a fixed order (float64 for the comparison)."""
+    return [t.detach().double() for m in modules for t in (*m.parameters(), *m.buffers())]
+
+
+def _replicas_identical(tensors, data_comm):
+    """Every replica holds bitwise the same ``tensors`` (parameters and buffers)."""
+    flat = np.concatenate([t.numpy().reshape(-1) for t in tensors]) if tensors else np.zeros(0)
+    everyone = data_comm.allgather(flat)
+    assert all(np.array_equal(e, everyone[0]) for e in everyone), "replicas differ"
+
+
 def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per_rank=1,
-                                 optimizer="sgd", epochs=2, batch_size=8, head="linear"):
+                                 optimizer="sgd", epochs=2, batch_size=8, head="linear", n=48):
+    """The pipeline (stages x replicas) equals the single-process DGL loop: losses, accuracies,
+    parameters and buffers (BatchNorm running statistics) <= 1e-12, float64; replicas hold
+    bitwise identical parameters and buffers. Returns the largest difference."""
     comm = MPI.COMM_WORLD
     grid = ProcessGrid(comm, data_parallel=replicas)
-    x, y = make_data(net)
+    x, y = make_data(net, n=n)
     kw = dict(num_classes=5, in_shape=tuple(x.shape[1:]), num_stages=num_stages, head=head, seed=3)
     opt = dict(optimizer=optimizer, lr=0.05, momentum=0.9, weight_decay=1e-4)
     ref = DecoupledModel(make_layers(net), **kw)
@@ -50,14 +100,18 @@ def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per
         assert abs(m_ref["loss"] - m_pipe["loss"]) <= 1e-12, (m_ref, m_pipe)
         assert np.allclose(m_ref["stage_train_acc"], m_pipe["stage_train_acc"], atol=1e-12)
     diff = 0.0
-    for k in pipe.owned:
-        for a, b in zip(model.stage_parameters(k), ref.stage_parameters(k)):
-            diff = max(diff, float((a - b).abs().max()))
+    mine = _state([mod for k in pipe.owned for mod in (model.bodies[k], model.heads[k])])
+    theirs = _state([mod for k in pipe.owned for mod in (ref.bodies[k], ref.heads[k])])
+    assert len(mine) == len(theirs) and all(p.grad is None for p in model.parameters())
+    for a, b in zip(mine, theirs):
+        diff = max(diff, float((a - b).abs().max()))
     assert diff <= 1e-12, f"rank {comm.Get_rank()} stages {pipe.owned}: max diff {diff}"
+    if replicas > 1:
+        _replicas_identical(mine, grid.data_comm)
     # every stage actually moved
     fresh = DecoupledModel(make_layers(net), **kw)
     for k in pipe.owned:
-        moved = max(float((a - b).abs().max()) for a, b in
+        moved = max(float((a - b).abs().max().detach()) for a, b in
                     zip(model.stage_parameters(k), fresh.stage_parameters(k)))
         assert moved > 1e-4, f"stage {k} did not train"
     ev = pipe.evaluate(x if grid.layer_rank == 0 else None, y if grid.layer_rank == 0 else None,
@@ -153,20 +207,53 @@ def pytest_approx(values, tol=1e-12):
     return _Approx(values)
 
 
-def check_sequential_data_parallel(replicas=2, grow="top"):
+def check_sequential_data_parallel(replicas=2, grow="top", net="mlp", n=40, batch_size=8):
+    """Sequential training with replicas equals one process: history losses, parameters and
+    buffers <= 1e-12 (float64); replicas bitwise identical. Returns the largest difference."""
     grid = ProcessGrid(MPI.COMM_WORLD, data_parallel=replicas)
-    x, y = make_data("mlp", n=40)
-    kw = dict(grow=grow, epochs_per_layer=2, head_epochs=1, finetune_epochs=1, batch_size=8,
-              lr=0.05, seed=5)
-    ref = SequentialTrainer(make_layers("mlp")[:3], 5, (12,), **kw)
+    x, y = make_data(net, n=n)
+    kw = dict(grow=grow, epochs_per_layer=2, head_epochs=1, finetune_epochs=1,
+              batch_size=batch_size, lr=0.05, seed=5)
+    in_shape = tuple(x.shape[1:])
+    ref = SequentialTrainer(make_layers(net)[:3], 5, in_shape, **kw)
     ref.fit(x, y)
-    tr = SequentialTrainer(make_layers("mlp")[:3], 5, (12,), data_comm=grid.data_comm, **kw)
+    tr = SequentialTrainer(make_layers(net)[:3], 5, in_shape, data_comm=grid.data_comm, **kw)
     tr.fit(x, y)
     sd, ref_sd = tr.state_dict(), ref.state_dict()
-    diff = max(float((sd[k] - ref_sd[k]).abs().max()) for k in sd)
+    assert list(sd) == list(ref_sd)
+    diff = max(float((sd[k].double() - ref_sd[k].double()).abs().max()) for k in sd)
     assert [h["loss"] for h in tr.history] == pytest_approx([h["loss"] for h in ref.history])
+    assert [h["train_acc"] for h in tr.history] == pytest_approx([h["train_acc"] for h in ref.history])
     assert diff <= 1e-12, diff
+    _replicas_identical([v.double() for v in sd.values()], grid.data_comm)
     return diff
+
+
+def check_buffer_guard(net="mlp_counter", method="decoupled", replicas=2):
+    """A module whose buffer changes in forward and that is not synchronized: the same
+    ValueError on every rank, raised before any optimizer step (no parameter moved)."""
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid(comm, data_parallel=replicas)
+    x, y = make_data("mlp")
+    layers = make_layers(net)
+    before = [p.detach().clone() for l in layers for p in l.parameters()]
+    try:
+        if method == "decoupled":
+            train_layerwise("decoupled", layers, 5, x, y, grid=grid, epochs=1, batch_size=8,
+                            num_stages=2 * grid.layer_size, stages_per_rank=2, progress=False)
+        else:
+            SequentialTrainer(layers, 5, (12,), epochs_per_layer=1, batch_size=8,
+                              data_comm=grid.data_comm).fit(x, y)
+    except ValueError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError(f"{net}/{method}: no ValueError")
+    msgs = comm.allgather(msg)
+    assert all(m == msgs[0] for m in msgs), msgs
+    # nothing was stepped: the parameters of every layer are the initial ones
+    after = [p.detach() for l in layers for p in l.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    return msg
 
 
 def check_many(checks):
