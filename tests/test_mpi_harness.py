@@ -1,5 +1,4 @@
 """The MPI harness itself: results come back from every rank, one failing rank fails the job fast."""
-import time
 
 import pytest
 
@@ -16,9 +15,8 @@ def test_every_rank_reports(k, name):
 
 
 def test_failure_on_one_rank_is_reported_and_does_not_hang():
-    t0 = time.perf_counter()
     with pytest.raises(pytest.fail.Exception) as info:
         run_mpi("tests.mpi_cases.smoke_cases:check_rank1_fails", 2, timeout=60)
     assert "deliberate failure on rank 1" in str(info.value)
     assert "rank 0: no report" in str(info.value)
-    assert time.perf_counter() - t0 < 30
+    assert "TIMED OUT" not in str(info.value)  # ended by MPI_Abort, not by the harness timeout

@@ -17,6 +17,15 @@ convolution for conv steps), else ``torch.func.vmap`` over ``torch.func.function
 (modules ``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients use the
 module's closed-form ``vjp_batched`` when it has one (dense steps with built-in activations),
 else one autograd call through that batched forward.
+
+Batching never changes a result: a rank's layers are stacked only when
+:func:`~mgrit.nn.stacking.batching_obstacle` proves, when the chain is built, that they differ
+in nothing but parameter and buffer values (private attributes, tensor attributes, closures and
+hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise every layer is
+evaluated with its own module. A module contributed by a user may provide
+``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
+``B`` layers stacked along dim 0, ``x`` is ``(B, batch, *state_shape)``, the result has the
+shape of ``x`` and row ``b`` must equal ``module_b(x[b])``.
 """
 from __future__ import annotations
 
@@ -24,70 +33,13 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
 
 from ..propagator import Propagator
+from .stacking import Stacked, global_hooks_registered
 
 __all__ = ["ForwardChain", "AdjointChain"]
 
-
-def _config(module: nn.Module) -> tuple:
-    """Types and plain settings (public int/float/str/bool/tuple attributes: widths, kernel
-    sizes, SmoothReLU's eps, ...) of a module and its submodules. Steps whose configurations
-    differ (e.g. tanh and relu layers) are not stacked: a batched call applies one module's
-    settings to every layer."""
-    plain = (int, float, str, bool, tuple, type(None))
-    return tuple((type(m), tuple(sorted((k, v) for k, v in vars(m).items()
-                                        if not k.startswith("_") and k != "training"
-                                        and isinstance(v, plain))))
-                 for m in module.modules())
-
-
-class _Stacked:
-    """Parameters and buffers of structurally identical modules, stacked along a new dim 0,
-    and the batched application of the modules (``forward_batched`` when the module has one --
-    :class:`~mgrit.nn.steps.DenseStep` uses ``baddbmm``, the conv steps one grouped
-    convolution -- else ``vmap`` over ``functional_call``)."""
-
-    def __init__(self, steps: Sequence[nn.Module]):
-        self.template = steps[0]
-        self.names = [n for n, _ in steps[0].named_parameters()]
-        self.bnames = [n for n, _ in steps[0].named_buffers()]
-        config = _config(steps[0])  # batched calls apply the first module's settings
-        self.ok = all([n for n, _ in s.named_parameters()] == self.names and
-                      [n for n, _ in s.named_buffers()] == self.bnames and
-                      all(p.shape == q.shape for p, q in zip(s.parameters(), steps[0].parameters()))
-                      and _config(s) == config
-                      for s in steps)
-        self._lists = {}
-        if self.ok:
-            self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
-            self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
-        self.tensors = {}
-        self._native = hasattr(self.template, "forward_batched")
-
-    @property
-    def closed_form_vjp(self) -> bool:
-        """The module has a closed-form batched VJP (DenseStep with a built-in activation):
-        no autograd graph. Read at every use (an activation may be replaced after build)."""
-        return bool(self._native and getattr(self.template, "closed_form_vjp", False))
-
-    def refresh(self) -> None:
-        """Re-stack the current values (after an optimizer step)."""
-        with torch.no_grad():  # no graph: no per-tensor detach needed
-            self.tensors = {n: torch.stack(lst) for n, lst in self._lists.items()}
-
-    def take(self, idx) -> dict:
-        """Rows ``idx`` of every stacked tensor: a ``slice`` gives views, a tensor copies."""
-        if isinstance(idx, slice):
-            return {n: t[idx] for n, t in self.tensors.items()}
-        return {n: t.index_select(0, idx) for n, t in self.tensors.items()}
-
-    def apply(self, p: dict, x: torch.Tensor) -> torch.Tensor:
-        """``out[b] = F_b(x[b])`` for the stacked parameters ``p`` (``(B, ...)`` each)."""
-        if self._native:
-            return self.template.forward_batched(p, x)
-        return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
+_Stacked = Stacked  # the name older scripts and tests import from here
 
 
 class ForwardChain(Propagator):
@@ -98,23 +50,40 @@ class ForwardChain(Propagator):
         steps: this rank's step modules, layer ``first + j`` is ``steps[j]``.
         first: global index of ``steps[0]``.
         h: fine step size ``T / N`` (float).
-        batched: try ``vmap`` for :meth:`step_batch`.
+        batched: stack the layers for :meth:`step_batch` when that is provably exact.
+
+    Attributes:
+        batching_obstacle: why the layers are evaluated one by one (a message), or ``None``
+            when they are batched.
     """
 
     def __init__(self, steps: Sequence[nn.Module], first: int, h: float, batched: bool = True):
         self.steps, self.first, self.h = list(steps), int(first), float(h)
-        self._stack = _Stacked(self.steps) if batched and len(self.steps) > 1 else None
-        if self._stack is not None and not self._stack.ok:
-            self._stack = None
+        self._want_batched = bool(batched)
+        self._hooked = False
+        self.rebuild()
 
-    def refresh(self) -> None:
-        """Snapshot the current parameters for batched steps (call after every optimizer step)."""
-        if self._stack is not None:
-            self._stack.refresh()
+    def rebuild(self) -> None:
+        """Re-run the batching proof and re-collect the stacked tensors (after a module's
+        structure or non-parameter state changed, or ``.to()`` replaced its buffers)."""
+        self._stack, self.batching_obstacle = None, "batched=False"
+        if self._want_batched:
+            stack = Stacked(self.steps) if len(self.steps) > 1 else None
+            self.batching_obstacle = "fewer than two layers" if stack is None else stack.obstacle
+            self._stack = stack if stack is not None and stack.ok else None
+
+    def refresh(self) -> dict:
+        """Snapshot the current parameters for batched steps (every forward solve calls it
+        first). Returns the snapshot ``{name: (n_local, *shape)}`` (empty when not batched);
+        later refreshes never modify it. O(1) Python work besides the stacking."""
+        self._hooked = global_hooks_registered()  # registered after build: evaluate per layer
+        if self._stack is None or self._hooked:
+            return {}
+        return self._stack.refresh()
 
     @property
     def batched(self) -> bool:
-        return self._stack is not None
+        return self._stack is not None and not self._hooked
 
     def step(self, u, start, stop, level):
         return u + ((stop - start) * self.h) * self.steps[start - self.first](u)
@@ -147,6 +116,7 @@ class ForwardChain(Propagator):
             if self._stack._native:  # in a user module re-raises from the loop below
                 raise
             self._stack = None  # a module vmap cannot batch: remember and loop from now on
+            self.batching_obstacle = "torch.func.vmap cannot batch the module"
             return super().step_batch(u, starts, stops, level)
         dt = self._dt(starts, stops, u)
         if isinstance(dt, float):
@@ -163,10 +133,19 @@ class AdjointChain(Propagator):
         n_layers: ``N``, the global number of layers.
         states: forward states ``x_k`` for ``k = first .. first + len(steps) - 1`` (at least),
             shape ``(>= len(steps), *state_shape)``; row ``j`` is ``x_{first + j}``.
+        tensors: the stacked parameters the forward solve used (the snapshot
+            :meth:`ForwardChain.refresh` returned); default: the chain's latest snapshot.
+            Batched adjoint steps are used when this is non-empty and the chain is batched.
     """
 
-    def __init__(self, forward: ForwardChain, n_layers: int, states: torch.Tensor):
+    def __init__(self, forward: ForwardChain, n_layers: int, states: torch.Tensor,
+                 tensors: dict | None = None):
         self.fwd, self.n, self.states = forward, int(n_layers), states
+        stack = forward._stack if forward.batched else None
+        if stack is not None and tensors is None:
+            tensors = stack.tensors or stack.refresh()
+        self._stack = stack if tensors else None
+        self.tensors = tensors or {}
         self._vjp = {}
         self._dact = None  # closed form: act'(z_k) of every local layer, computed once
 
@@ -174,19 +153,17 @@ class AdjointChain(Propagator):
         """The stacked layers and ``act'(z)`` of all local layers at the forward states (one
         batched call, cached for the whole adjoint solve: ``(n_local, *state_shape)``), or
         ``None`` when the step has no closed-form VJP."""
-        stack = self.fwd._stack
+        stack = self._stack
         if stack is None or not stack.closed_form_vjp:
             return None
-        if not stack.tensors:
-            stack.refresh()
         if self._dact is None:
             n = len(self.fwd.steps)
-            self._dact = stack.template.linearize_batched(stack.tensors, self.states[:n])
+            self._dact = stack.template.linearize_batched(self.tensors, self.states[:n])
         return stack
 
     @property
     def batched(self) -> bool:
-        return self.fwd.batched
+        return self._stack is not None
 
     def _layer(self, start: int) -> int:
         return self.n - 1 - start - self.fwd.first  # local index of the layer linearized
@@ -207,7 +184,7 @@ class AdjointChain(Propagator):
     def step_batch(self, mu, starts, stops, level):
         if not self.batched:
             return super().step_batch(mu, starts, stops, level)
-        stack = self.fwd._stack
+        stack = self._stack
         if isinstance(starts, range):
             first = self._layer(starts[0])
             idx = torch.arange(first, first - len(starts) * starts.step, -starts.step,
@@ -215,50 +192,62 @@ class AdjointChain(Propagator):
         else:
             idx = torch.as_tensor([self._layer(s) for s in starts], device=mu.device)
         v = self.fwd._dt(starts, stops, mu) * mu
+        p = stack.take(idx, self.tensors)
         if self._closed_form() is not None:
-            return mu + stack.template.vjp_batched(stack.take(idx), None, v,
-                                                   dact=self._dact.index_select(0, idx))
+            return mu + stack.template.vjp_batched(p, None, v, dact=self._dact.index_select(0, idx))
         x = self.states.index_select(0, idx).requires_grad_(True)
         with torch.enable_grad():
-            y = stack.apply(stack.take(idx), x)
+            y = stack.apply(p, x)
             (g,) = torch.autograd.grad(y, x, v)
         return mu + g
 
-    def parameter_gradients(self, lam_next: torch.Tensor, batched: bool) -> list[torch.Tensor]:
+    def parameter_gradients(self, lam_next: torch.Tensor, batched: bool,
+                            need: Sequence[bool] | None = None) -> list:
         """``dL/dtheta_k = h * (dF_k/dtheta_k (x_k))^T lambda_{k+1}`` for every local layer.
 
         Args:
             lam_next: ``(n_local_layers, *state_shape)``, row ``j`` is ``lambda_{first+j+1}``.
             batched: one batched call over all local layers instead of a loop.
+            need: one flag per entry of the result (default: all); entries not needed are
+                ``None`` and a layer none of whose parameters is needed is not evaluated.
 
         Returns:
-            gradients in the order of ``[p for s in steps for p in s.parameters()]``.
+            one entry per ``[p for s in steps for p in s.parameters()]``: the gradient, or
+            ``None`` where the parameter does not reach the step's output (as serial autograd
+            leaves ``.grad`` of an unused parameter ``None``) or is not needed.
         """
         steps, h = self.fwd.steps, self.fwd.h
         cot = h * lam_next
         n = len(steps)
-        if batched and self.fwd.batched:
-            stack = self.fwd._stack
-            if self._closed_form() is not None:
-                g = stack.template.vjp_batched(stack.tensors, self.states[:n].detach(), cot,
-                                               params=True, dact=self._dact)
-            else:
-                p = {k: (t.clone().requires_grad_(True) if k in stack.names else t)
-                     for k, t in stack.tensors.items()}
-                with torch.enable_grad():
-                    y = stack.apply(p, self.states[:n].detach())
-                    gs = torch.autograd.grad(y, [p[k] for k in stack.names], cot,
-                                             allow_unused=True)
-                g = {k: (gk if gk is not None else torch.zeros_like(p[k]))
-                     for k, gk in zip(stack.names, gs)}
-            cols = [g[k] for k in stack.names]  # (indexing is 2x faster than unbind here)
-            return [t[j] for j in range(n) for t in cols]
+        if batched and self.batched:
+            out = self._batched_gradients(cot, n)
+            return out if need is None else [g if w else None for g, w in zip(out, need)]
         out = []
         with torch.enable_grad():
             for j, s in enumerate(steps):
-                x = self.states[j].detach()
                 ps = list(s.parameters())
-                y = s(x)
-                out.extend(torch.autograd.grad(y, ps, cot[j], allow_unused=True))
-        return [g if g is not None else torch.zeros_like(p)
-                for g, p in zip(out, [p for s in steps for p in s.parameters()])]
+                wanted = [need is None or need[len(out) + k] for k in range(len(ps))]
+                grads = {}
+                if any(wanted):
+                    y = s(self.states[j].detach())
+                    if y.requires_grad:  # else no parameter reaches the output: all None
+                        want = [p for p, w in zip(ps, wanted) if w]
+                        grads = dict(zip(map(id, want), torch.autograd.grad(
+                            y, want, cot[j], allow_unused=True)))
+                out.extend(grads.get(id(p)) for p in ps)
+        return out
+
+    def _batched_gradients(self, cot, n) -> list:
+        stack = self._stack
+        if self._closed_form() is not None:
+            g = stack.template.vjp_batched(self.tensors, self.states[:n].detach(), cot,
+                                           params=True, dact=self._dact)
+        else:
+            p = {k: (t.clone().requires_grad_(True) if k in stack.names else t)
+                 for k, t in self.tensors.items()}
+            with torch.enable_grad():
+                y = stack.apply(p, self.states[:n].detach())
+                gs = torch.autograd.grad(y, [p[k] for k in stack.names], cot, allow_unused=True)
+            g = dict(zip(stack.names, gs))  # None: the parameter does not reach the output
+        cols = [g[k] for k in stack.names]  # (indexing is 2x faster than unbind here)
+        return [None if t is None else t[j] for j in range(n) for t in cols]

@@ -2,10 +2,10 @@
 
 ``x_{k+1} = x_k + h F_k(x_k)``, ``k = 0..N-1``, ``h = T / N``; each rank of the layer
 communicator holds a contiguous block of layers (:class:`mgrit.grid.Partition`). Autograd
-bridge after TorchBraid's ``braid_function.py``: the whole chain is one
-``torch.autograd.Function`` whose forward is an MGRIT solve and whose backward is an MGRIT
-solve of the adjoint chain (Guenther et al. 2020, SIMODS) followed by one parallel sweep of
-parameter vector-Jacobian products, so optimizers see ordinary ``.grad`` on every rank.
+bridge after TorchBraid's ``braid_function.py`` (:mod:`mgrit.nn.bridge`): each forward is one
+autograd node whose forward is an MGRIT solve and whose backward is an MGRIT solve of the
+adjoint chain (Guenther et al. 2020, SIMODS) followed by one parallel sweep of parameter
+vector-Jacobian products, so optimizers see ordinary ``.grad`` on every rank.
 
 Every rank of the layer communicator calls ``forward`` and ``backward``; the final state
 exists on the last layer rank, the input gradient on the first. Exact mode (iterate to a
@@ -16,6 +16,7 @@ forward, the backward chain swept serially across ranks (a one-level adjoint sol
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Sequence
 
@@ -27,40 +28,14 @@ from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
 from ..solver import MGRIT
+from .bridge import MGRITFunction, agree_backward
 from .chains import AdjointChain, ForwardChain
+from .seeding import layer_seed, make_layers, serial_resnet
 from .steps import ResidualStep
 
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
 
 _UNSUPPORTED = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout2d, nn.AlphaDropout)
-
-
-def layer_seed(seed: int, k: int) -> int:
-    """Seed of layer ``k``'s initialization, so every partition builds identical weights."""
-    return (int(seed) * 1_000_003 + int(k)) % (2 ** 63)
-
-
-def serial_resnet(make_step: Callable[[int], nn.Module], n_layers: int, T: float = 1.0,
-                  seed: int = 0) -> nn.Sequential:
-    """The serial reference: ``nn.Sequential`` of ``ResidualStep(make_step(k), T/N)`` with the
-    same per-layer seeds as :meth:`LayerParallelResNet.build`."""
-    layers = []
-    for k in range(n_layers):
-        torch.manual_seed(layer_seed(seed, k))
-        layers.append(ResidualStep(make_step(k), T / n_layers))
-    return nn.Sequential(*layers)
-
-
-class _MGRITFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, model, x0, *params):
-        ctx.model = model
-        return model._forward_solve(x0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gx0, pgrads = ctx.model._backward_solve(grad)
-        return (None, gx0, *pgrads)
 
 
 class LayerParallelResNet(nn.Module):
@@ -71,6 +46,12 @@ class LayerParallelResNet(nn.Module):
             (see :meth:`build`, which creates them for the default partition). Each maps a
             state ``(batch, *state_shape)`` to the same shape. BatchNorm and Dropout are not
             supported yet (repeated sweeps would update statistics / redraw masks): ValueError.
+            Layers may share parameters (the same ``Parameter`` object, e.g. one module for
+            every layer) with ``P = 1``: gradients are summed as serial autograd sums them.
+            With ``P > 1`` each rank would hold and train its own copy, so sharing is refused
+            (ValueError on every rank) where it is visible: between layers of one rank here,
+            and any parameter not created by ``make_step(k)`` in :meth:`build`. Frozen
+            parameters (``requires_grad=False``) get no gradient and cost no work.
         n_layers: ``N``, the global number of residual layers (``>= P``).
         state_shape: shape of one sample's state, e.g. ``(width,)`` or ``(C, H, W)``.
         T: final time (default 1.0); ``h = T / N``.
@@ -82,16 +63,33 @@ class LayerParallelResNet(nn.Module):
             across ranks, exact adjoint of the MGRIT-approximate forward states).
         warm_start: start each forward solve from the previous training forward's states (same
             batch shape). Default ``None``: on when ``forward.tol == forward.rtol == 0``.
-            Forwards under ``torch.no_grad()`` (evaluation) use but never replace them.
+            Forwards under ``torch.no_grad()`` (evaluation) use but never replace them. Only
+            the initial guess: no gradient depends on it.
         warm_start_adjoint: start each adjoint solve from the previous one's adjoints
             (Guenther et al.'s simultaneous training warm-starts both directions; default
             False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
 
+    Autograd: each forward in grad mode is one autograd node that owns its forward states and
+    stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
+    before one backward, gradient accumulation over micro-batches (F1 B1 F2 B2 or F1 F2 B1 B2),
+    ``torch.autograd.grad``, ``retain_graph=True``, evaluation forwards in between,
+    ``torch.utils.checkpoint`` (both modes; the forward solve is then recomputed in the
+    backward, in inexact mode from the latest warm start, so its states may differ from the
+    first solve's by the solver's inexactness). Every rank must backpropagate the same forwards (each backward is a collective
+    adjoint solve); ranks run them in the same order because the autograd engine runs ready
+    nodes by descending creation order, and one small agreement per backward turns a mismatch
+    into a RuntimeError on every rank. A parameter changed in place between a forward and its
+    backward (``optimizer.step()``) raises autograd's "modified by an inplace operation"
+    RuntimeError on every rank, as serial autograd does; so does a second backward without
+    ``retain_graph``. Double backward (``create_graph=True``) is refused with a RuntimeError.
+
     Attributes:
         first: global index of this rank's first layer. ``is_first``/``is_last``: whether this
         rank holds layer 0 / layer N-1. ``last_forward``/``last_backward``: the
-        :class:`~mgrit.solver.MGRITResult` of the latest solves (residual history, stats).
+        :class:`~mgrit.solver.MGRITResult` of the latest solves (residual history, stats;
+        diagnostics only). ``batching_obstacle``: why this rank's layers are evaluated one
+        by one (``None`` when batched; see :mod:`mgrit.nn.stacking`).
     """
 
     def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape, T: float = 1.0,
@@ -121,20 +119,13 @@ class LayerParallelResNet(nn.Module):
         self.partition = Partition.even(n_layers, P) if partition is None else partition
         a, b = self.partition.block(rank)
         self.first, n_local = a, min(b, n_layers) - a
-        # checks of this rank's modules: agreed by all ranks (same message everywhere)
         error = None
         if len(steps) != n_local:
             error = (f"holds layers {a}..{a + n_local - 1} ({n_local}) but got {len(steps)} "
                      f"step modules")
-        bad = [(a + k, type(m).__name__) for k, s in enumerate(steps) for m in s.modules()
-               if isinstance(m, _UNSUPPORTED)]
-        if error is None and bad:
-            error = (f"layer {bad[0][0]} contains {bad[0][1]}, which is not supported in "
-                     f"layer-parallel steps yet (statistics/masks would change across MGRIT "
-                     f"sweeps); remove it")
-        raise_agreed(self.comm, error)
         self.steps = nn.ModuleList(steps)
-        self._params = list(self.steps.parameters())  # autograd inputs (fixed set of tensors)
+        raise_agreed(self.comm, error or self._structure_error())  # same message everywhere
+        self._collect_parameters()
         self.n_layers, self.T, self.h = n_layers, float(T), float(T) / n_layers
         self.state_shape = shape
         self.fwd_opts = forward or MGRITOptions(max_levels=2, cfactor=4, tol=1e-10, max_iter=50)
@@ -156,22 +147,85 @@ class LayerParallelResNet(nn.Module):
                               partition=self.partition.reversed(), **kw)
         self.warm_start_adjoint = bool(warm_start_adjoint)
         self._warm = self._warm_adj = None
-        self._states = None
         self.last_forward = self.last_backward = None
+        self._forward_count = 0  # numbers the forwards (the same on every rank: collective)
+        self._token = torch.zeros(0, device=self.device, requires_grad=True)  # MGRITFunction
 
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int, state_shape,
               comm: MPI.Comm | None = None, seed: int = 0, **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
-        weights do not depend on the number of ranks) and wrap them."""
+        weights do not depend on the number of ranks) and wrap them. The caller's RNG states
+        (CPU, and CUDA when initialized) are the same after ``build`` as before: whatever is
+        created afterwards does not depend on the number of ranks either.
+
+        With ``P > 1`` every parameter of layer ``k`` must be created by the call
+        ``make_step(k)`` (ValueError on every rank otherwise): a parameter made elsewhere may be
+        shared with layers of other ranks, where each rank would train its own copy. To start
+        from given weights, build and then :meth:`load_global_state_dict`."""
         comm = MPI.COMM_SELF if comm is None else comm
         part = kwargs.pop("partition", None) or Partition.even(n_layers, comm.Get_size())
         a, b = part.block(comm.Get_rank())
-        steps = []
-        for k in range(a, min(b, n_layers)):
-            torch.manual_seed(layer_seed(seed, k))
-            steps.append(make_step(k))
+        steps, foreign = make_layers(make_step, range(a, min(b, n_layers)), seed)
+        if comm.Get_size() > 1:
+            raise_agreed(comm, None if not foreign else (
+                f"parameter {foreign[0][1]!r} of layer {foreign[0][0]} was not created by "
+                f"make_step({foreign[0][0]}) (it is shared with a module built elsewhere): with "
+                f"P = {comm.Get_size()} layer ranks a parameter shared between layers would be "
+                f"a separate copy on every rank; create each layer's parameters inside "
+                f"make_step, or use P = 1 for shared parameters"))
         return cls(steps, n_layers, state_shape, comm=comm, partition=part, **kwargs)
+
+    # -- structure of the step modules ----------------------------------------------------
+    def _structure_error(self) -> str | None:
+        """This rank's unsupported modules and parameters shared across layers (a message)."""
+        bad = [(self.first + k, type(m).__name__) for k, s in enumerate(self.steps)
+               for m in s.modules() if isinstance(m, _UNSUPPORTED)]
+        if bad:
+            return (f"layer {bad[0][0]} contains {bad[0][1]}, which is not supported in "
+                    f"layer-parallel steps yet (statistics/masks would change across MGRIT "
+                    f"sweeps); remove it")
+        if self.comm.Get_size() > 1:
+            owner = {}
+            for k, s in enumerate(self.steps):
+                for name, p in s.named_parameters():
+                    j, first_name = owner.setdefault(id(p), (k, name))
+                    if j != k:
+                        return (f"layers {self.first + j} and {self.first + k} share the "
+                                f"parameter {first_name!r} (the same Parameter object): "
+                                f"parameters shared between layers are supported on one layer "
+                                f"rank only, since with P = {self.comm.Get_size()} every rank "
+                                f"would hold and update its own copy; give each layer its own "
+                                f"parameters or use P = 1")
+        return None
+
+    def _collect_parameters(self) -> None:
+        """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
+        its index among them (tied parameters: several layers point to one index)."""
+        self._params = list(self.steps.parameters())  # deduplicated: shared ones once
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
+
+    def refresh_structure(self) -> None:
+        """Re-read the step modules after changing anything but parameter/buffer values in
+        place: assigning attributes, swapping submodules or parameters, registering hooks.
+        Re-collects the parameters, re-checks unsupported modules and shared parameters (a
+        ValueError on every rank) and re-runs the batching proof of :mod:`mgrit.nn.stacking`.
+        Collective over the layer communicator."""
+        raise_agreed(self.comm, self._structure_error())
+        self._collect_parameters()
+        self._chain.rebuild()
+
+    @property
+    def batching_obstacle(self) -> str | None:
+        if self._chain.batched:
+            return None
+        return self._chain.batching_obstacle or "global module hooks are registered"
+
+    @property
+    def _states(self):
+        """The latest forward's states (benchmarks and calibration; no backward reads it)."""
+        return None if self.last_forward is None else self.last_forward.states
 
     # -- autograd bridge ----------------------------------------------------------------
     def forward(self, x0: torch.Tensor | None = None, batch_size: int | None = None) -> torch.Tensor:
@@ -179,13 +233,16 @@ class LayerParallelResNet(nn.Module):
 
         Args:
             x0: the input state ``(batch, *state_shape)`` on the first layer rank (may require
-                grad); ignored elsewhere.
+                grad). Elsewhere its values are ignored; a tensor given there only links it to
+                the graph (its gradient there is ``None``: it does not reach this rank's part).
             batch_size: the batch size on ranks that do not hold ``x0``.
 
         Returns:
             ``x_N`` ``(batch, *state_shape)`` on the last layer rank; elsewhere an empty
             placeholder tensor connected to the parameters (call ``.sum().backward()`` on it,
-            or on anything built from it, so that this rank joins the adjoint solve).
+            or on anything built from it, so that this rank joins the adjoint solve). In grad
+            mode both always require grad (also when every parameter is frozen), so that every
+            rank takes part in the backward.
         """
         if self.is_first:
             if x0 is None:
@@ -194,30 +251,70 @@ class LayerParallelResNet(nn.Module):
         else:
             if batch_size is None:
                 raise ValueError("batch_size is required on ranks other than the first")
-            batch, x0 = int(batch_size), torch.zeros(0, dtype=self.dtype, device=self.device)
-        self._batch = batch
-        self._update_warm = torch.is_grad_enabled()  # evaluation keeps the training warm start
-        if not self._update_warm:  # no graph to build: skip the autograd bridge's overhead
-            return self._forward_solve(x0)
-        return _MGRITFunction.apply(self, x0, *self._params)
+            batch = int(batch_size)
+        self._forward_count += 1
+        if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
+            return self._forward_solve(x0 if self.is_first else None, batch, False)[0]
+        if not isinstance(x0, torch.Tensor):
+            x0 = torch.zeros(0, dtype=self.dtype, device=self.device)
+        return MGRITFunction.apply(self, batch, self._token, x0, *self._params)
 
-    def _forward_solve(self, x0):
-        shape = torch.Size((self._batch, *self.state_shape))
-        self._chain.refresh()
+    def _forward_solve(self, x0, batch: int, update_warm: bool):
+        """One forward solve: ``(output, this rank's states, stacked-parameter snapshot)``."""
+        shape = torch.Size((batch, *self.state_shape))
+        stacked = self._chain.refresh()
         guess = self._warm if (self.warm_start and self._warm is not None
                                and self._warm.shape[1:] == shape) else None
-        res = self._fsolver.solve(x0.detach() if self.is_first else None, initial_guess=guess,
+        res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
                                   state_shape=shape)
-        self.last_forward, self._states = res, res.states
-        if self.warm_start and self._update_warm:
+        self.last_forward = res
+        if self.warm_start and update_warm:
             self._warm = res.states
         if self.is_last:
-            return res.states[-1].clone()
-        return torch.zeros(0, dtype=self.dtype, device=self.device)
+            return res.states[-1].clone(), res.states, stacked
+        return torch.zeros(0, dtype=self.dtype, device=self.device), res.states, stacked
 
-    def _backward_solve(self, grad):
-        shape = self._states.shape[1:]
-        chain = AdjointChain(self._chain, self.n_layers, self._states)
+    def _backward(self, ctx, grad) -> tuple:
+        """Gradients of one forward (``ctx``) for ``(x0, *unique parameters)``."""
+        error = None
+        try:
+            saved = ctx.saved_tensors  # autograd's version check and freed-graph check
+        except RuntimeError as exc:
+            saved, error = None, (f"backward of forward #{ctx.forward_id} of this "
+                                  f"LayerParallelResNet: {exc}")
+        if error is None and torch.is_grad_enabled():
+            error = ("double backward (create_graph=True) through a LayerParallelResNet is not "
+                     "supported: its gradients are not differentiable")
+        need_x = self.is_first and ctx.needs_input_grad[3]
+        need_p = ctx.needs_input_grad[4:]
+        if not agree_backward(self.comm, ctx.forward_id, error, need_x or any(need_p)):
+            return (None,) * (1 + len(need_p))  # no rank needs anything: no adjoint solve
+        ns = len(ctx.stack_names)  # saved: states, stacked tensors, parameters (version check)
+        states, tensors = saved[0], dict(zip(ctx.stack_names, saved[1:1 + ns]))
+        index = ctx.param_index
+        tied = len(index) != len(need_p)
+        if tied or not all(need_p):
+            need = [need_p[i] for i in index]
+        else:
+            need = None  # the ordinary path: every parameter, each in one layer
+        gx0, flat = self._backward_solve(states, tensors, grad, need_x, need)
+        if flat is None:
+            pgrads = [None] * len(need_p)
+        elif not tied:
+            pgrads = flat
+        else:  # shared parameters: the sum over the layers that use them, as serial autograd
+            pgrads = [None] * len(need_p)
+            for i, g in zip(index, flat):
+                if g is not None:
+                    pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+        return (gx0, *pgrads)
+
+    def _backward_solve(self, states, tensors, grad, need_x: bool, need):
+        """Adjoint solve at one forward's ``states`` (``tensors``: its stacked parameters),
+        then the parameter-gradient sweep where ``need`` asks for it (``None``: everything).
+        Returns ``(gx0 or None, per-layer parameter gradients or None)``."""
+        shape = states.shape[1:]
+        chain = AdjointChain(self._chain, self.n_layers, states, tensors)
         self._bsolver.propagator = chain
         lam_N = grad.detach().reshape(shape) if self.is_last else None
         guess = self._warm_adj if (self.warm_start_adjoint and self._warm_adj is not None
@@ -227,33 +324,39 @@ class LayerParallelResNet(nn.Module):
         if self.warm_start_adjoint:
             self._warm_adj = res.states
         N, lo = self.n_layers, res.lo
-        n_local = len(self.steps)
+        gx0 = res.states[N - lo].clone() if need_x else None
+        if need is not None and not any(need):
+            return gx0, None
         # lambda_{k+1} for local layers k = first..first+n_local-1 is reversed point N-k-1
+        n_local = len(self.steps)
         rows = [N - (self.first + j) - 1 - lo for j in range(n_local)]
         lam_next = res.states[torch.as_tensor(rows, device=res.states.device)]
         batched = self.bwd_opts.batched and self.bwd_opts.max_levels > 1
-        pgrads = chain.parameter_gradients(lam_next, batched)
-        gx0 = res.states[N - lo].clone() if self.is_first else None
-        return gx0, pgrads
+        return gx0, chain.parameter_gradients(lam_next, batched, need)
 
     def _apply(self, fn, *args, **kwargs):
-        """Keep the solvers' dtype/device in step with ``.to()``, ``.double()``, ``.cuda()``."""
+        """Keep the solvers' dtype/device in step with ``.to()``, ``.double()``, ``.cuda()``
+        (and the stacked buffers, which ``.to()`` replaces)."""
         super()._apply(fn, *args, **kwargs)
+        self._collect_parameters()
         if self._params:
             self.dtype, self.device = self._params[0].dtype, self._params[0].device
             for solver in (self._fsolver, self._bsolver):
                 solver.dtype, solver.device = self.dtype, self.device
+            self._token = torch.zeros(0, device=self.device, requires_grad=True)
+        self._chain.rebuild()
         self._warm = self._warm_adj = None
         return self
 
     # -- utilities ----------------------------------------------------------------------
     def to_serial(self) -> nn.Sequential:
         """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
-        the current weights, on every rank (collective; usable without MPI afterwards)."""
+        the current weights (shared parameters stay shared), on every rank (collective;
+        usable without MPI afterwards)."""
         pieces = self.comm.allgather([(self.first + j, s) for j, s in enumerate(self.steps)])
-        layers = sorted((k, s) for piece in pieces for k, s in piece)
-        import copy
-        return nn.Sequential(*[ResidualStep(copy.deepcopy(s), self.h) for _, s in layers])
+        layers = sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0])
+        copies = copy.deepcopy([s for _, s in layers])  # one memo: ties are kept
+        return nn.Sequential(*[ResidualStep(s, self.h) for s in copies])
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective)."""

@@ -1,0 +1,190 @@
+"""Batched evaluation of several layers' step modules, and the proof that it is exact.
+
+A rank holding layers ``F_a .. F_b`` of one module class may evaluate them in one call with
+their parameters stacked along a new dim 0 (``bmm`` for dense steps, a grouped convolution for
+conv steps, else ``torch.func.vmap`` over ``functional_call``). Such a call applies the *first*
+layer's module (the template) with every layer's parameters and buffers, so it equals the
+per-layer calls only when the layers differ in nothing but those tensors.
+
+Contract (checked by :func:`batching_obstacle`, once, when a chain is built or
+:meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure` is called):
+
+* every step has the template's module tree: same submodule names and types;
+* the same parameter and buffer names, shapes, dtypes and devices at every submodule (values
+  may differ: they are stacked), and the same tying of parameters inside a step;
+* every other instance attribute (``vars(m)``, private ones included; torch's own bookkeeping
+  skipped) is equal to the template's: numbers, strings, ``None``, dtypes, devices and
+  containers of them by ``==``; tensors that are not parameters or buffers by dtype, shape,
+  device and ``torch.equal``; anything else (functions, lambdas, closures, bound methods,
+  arbitrary objects) only if it is the *same object*;
+* the same ``training`` flag at every submodule;
+* no forward / backward / pre hooks on any submodule, and no global module hooks (global
+  hooks registered later are also noticed at every forward: the layers are then evaluated one
+  by one while they are registered);
+* no submodule class sets ``batchable = False`` (the documented opt-out).
+
+Otherwise the layers are evaluated one by one: slower, never different. Per-layer state that
+should stay batched belongs in a buffer (``register_buffer``): buffers are stacked per layer.
+The proof is not repeated on every forward (it costs Python work per layer). After changing
+anything but parameter/buffer *values in place* (assigning an attribute, swapping a submodule,
+registering a hook or a new parameter) call ``LayerParallelResNet.refresh_structure()``.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.nn.modules import module as _torch_module
+
+__all__ = ["batching_obstacle", "Stacked"]
+
+#: torch's own bookkeeping of every module (not user state)
+_TORCH_ATTRS = frozenset(vars(nn.Module()))
+#: of those, the hooks that change what calling a module computes
+_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_PLAIN = (numbers.Number, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def global_hooks_registered() -> bool:
+    """True when module hooks are registered for every module (``register_module_forward_hook``
+    and friends): a batched call would run them with stacked arguments."""
+    return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _equal(a, b) -> bool:
+    """Equality of two attribute values for the batching proof (see the module docstring)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and type(a) is type(b)
+                and a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+                and bool(torch.equal(a, b)))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _PLAIN):
+        return bool(a == b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (set, frozenset)):
+        return all(isinstance(x, _PLAIN) for x in a) and a == b
+    return False  # callables, closures, bound methods, other objects: identity only
+
+
+def _tensor_meta(t):
+    return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+
+def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
+    """Why module ``b`` cannot be evaluated with module ``a``'s settings (``None``: it can)."""
+    if type(a) is not type(b):
+        return f"{where}: {type(b).__name__} vs {type(a).__name__}"
+    if getattr(b, "batchable", True) is False:
+        return f"{where}: {type(b).__name__}.batchable is False"
+    for m in (a, b):
+        hooks = [h for h in _CALL_HOOKS if getattr(m, h, None)]
+        if hooks:
+            return f"{where}: {type(m).__name__} has {hooks[0][1:]} registered"
+    for kind in ("_parameters", "_buffers"):
+        ta, tb = getattr(a, kind), getattr(b, kind)
+        if list(ta) != list(tb) or any(_tensor_meta(ta[k]) != _tensor_meta(tb[k]) for k in ta):
+            return f"{where}: {kind[1:]} differ in names, shapes, dtypes or devices"
+    if a.training != b.training:
+        return f"{where}: one is in training mode, the other in evaluation mode"
+    va, vb = vars(a), vars(b)
+    names = sorted(k for k in va if k not in _TORCH_ATTRS)
+    if names != sorted(k for k in vb if k not in _TORCH_ATTRS):
+        return f"{where}: different instance attributes"
+    for k in names:
+        if not _equal(va[k], vb[k]):
+            return f"{where}: attribute {k!r} differs ({type(vb[k]).__name__})"
+    return None
+
+
+def batching_obstacle(steps: Sequence[nn.Module]) -> str | None:
+    """Why ``steps`` cannot be evaluated batched with ``steps[0]`` as template, or ``None`` when
+    the batched call provably equals the per-layer calls (the contract of the module docstring).
+    Costs Python work per submodule and attribute: call it at construction, not per step."""
+    if len(steps) < 2:
+        return "fewer than two layers"
+    if global_hooks_registered():
+        return "global module hooks are registered"
+    t = steps[0]
+    tmods = list(t.named_modules())
+    pnames = [n for n, _ in t.named_parameters()]
+    bnames = [n for n, _ in t.named_buffers()]
+    for j, s in enumerate(steps):
+        smods = list(s.named_modules())
+        if [n for n, _ in smods] != [n for n, _ in tmods]:
+            return f"layer {j}: different submodules"
+        if [n for n, _ in s.named_parameters()] != pnames or \
+                [n for n, _ in s.named_buffers()] != bnames:
+            return f"layer {j}: different parameter tying or buffers"
+        for (name, a), (_, b) in zip(tmods, smods):
+            err = _module_obstacle(a, b, f"layer {j} module {name or '(step)'!r}")
+            if err:
+                return err
+    return None
+
+
+class Stacked:
+    """Parameters and buffers of structurally identical modules (proven by
+    :func:`batching_obstacle`), stacked along a new dim 0, and their batched application.
+
+    Args:
+        steps: the modules, at least two; ``steps[0]`` is the template.
+
+    Attributes:
+        ok: whether batching is exact (``obstacle is None``).
+        obstacle: the reason it is not (a message), else ``None``.
+        names, bnames: stacked parameter and buffer names (``named_parameters`` order).
+        tensors: the latest :meth:`refresh` snapshot, ``{name: (B, *shape)}``.
+    """
+
+    def __init__(self, steps: Sequence[nn.Module]):
+        self.template = steps[0]
+        self.obstacle = batching_obstacle(steps)
+        self.ok = self.obstacle is None
+        self.names = [n for n, _ in steps[0].named_parameters()]
+        self.bnames = [n for n, _ in steps[0].named_buffers()]
+        self._lists = {}
+        if self.ok:
+            self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
+            self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
+        self.tensors = {}
+        self._native = hasattr(self.template, "forward_batched")
+
+    @property
+    def closed_form_vjp(self) -> bool:
+        """The module has a closed-form batched VJP (DenseStep with a built-in activation):
+        no autograd graph. Read at every use (an activation may be replaced after build)."""
+        return bool(self._native and getattr(self.template, "closed_form_vjp", False))
+
+    def refresh(self) -> dict:
+        """Stack the current values into a new snapshot (the tensors of earlier snapshots are
+        never modified: a forward's autograd node keeps its own). Returns it."""
+        with torch.no_grad():  # no graph: no per-tensor detach needed
+            self.tensors = {n: torch.stack(lst) for n, lst in self._lists.items()}
+        return self.tensors
+
+    def take(self, idx, tensors: dict | None = None) -> dict:
+        """Rows ``idx`` of every stacked tensor of ``tensors`` (default: the latest snapshot);
+        a ``slice`` gives views, a tensor copies."""
+        tensors = self.tensors if tensors is None else tensors
+        if isinstance(idx, slice):
+            return {n: t[idx] for n, t in tensors.items()}
+        return {n: t.index_select(0, idx) for n, t in tensors.items()}
+
+    def apply(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        """``out[b] = F_b(x[b])`` for the stacked parameters ``p`` (``(B, ...)`` each): the
+        module's ``forward_batched(p, x)`` when it has one, else ``vmap`` of
+        ``functional_call``."""
+        if self._native:
+            return self.template.forward_batched(p, x)
+        return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
