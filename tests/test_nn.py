@@ -281,3 +281,20 @@ def test_heterogeneous_steps_are_not_batched_and_act_swaps_fall_back():
             return torch.sin(z)
 
     compare(lambda k: DenseStep(4, "tanh"), swap=Sin)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_twoconv_bias_batched_equals_per_layer(bias):
+    """TwoConvStep(bias=...) : forward_batched over 3 layers == the per-layer forwards (float64,
+    1e-13), and the bias option reaches both convolutions."""
+    torch.manual_seed(1)
+    steps = [TwoConvStep(2, 3, "relu", bias=bias).double() for _ in range(3)]
+    assert (steps[0].conv1.bias is not None) == bias and (steps[0].conv2.bias is not None) == bias
+    p = {n: torch.stack([s.get_parameter(n) for s in steps]).detach()
+         for n, _ in steps[0].named_parameters()}
+    x = torch.randn(3, 4, 2, 5, 5, dtype=DT)
+    ref = torch.stack([s(x[b]) for b, s in enumerate(steps)])
+    out = steps[0].forward_batched(p, x)
+    assert (out - ref).norm() <= 1e-13 * ref.norm()
+    with pytest.raises(ValueError, match="bias"):
+        TwoConvStep(2, bias=1)

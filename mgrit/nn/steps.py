@@ -147,14 +147,23 @@ class ConvStep(nn.Module):
 
 
 class TwoConvStep(nn.Module):
-    """TorchBraid's MNIST block ``F(x) = act(K2 * act(K1 * x))`` (bias-free 3x3 by default);
-    states ``(batch, channels, H, W)``."""
+    """TorchBraid's MNIST block ``F(x) = act(K2 * act(K1 * x + b1) + b2)``: two ``channels ->
+    channels`` convolutions, 'same' padding (odd ``kernel``); states ``(batch, channels, H, W)``.
 
-    def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
+    Args:
+        channels, kernel: as :class:`ConvStep` (default kernel 3).
+        act: ``"relu"`` (default), ``"tanh"`` or ``"smoothrelu"``.
+        bias: give both convolutions a bias (default False: the block of our first
+            reproduction; TorchBraid's example uses ``nn.Conv2d``'s default, ``bias=True``).
+    """
+
+    def __init__(self, channels: int, kernel: int = 3, act: str = "relu", bias: bool = False):
         super().__init__()
         _check_conv(channels, kernel)
-        self.conv1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
-        self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=False)
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} is not allowed: use True or False")
+        self.conv1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=bias)
+        self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=bias)
         self.act = activation(act)
 
     def forward(self, x):
@@ -163,18 +172,19 @@ class TwoConvStep(nn.Module):
     def forward_batched(self, p: dict, x):
         """``B`` layers at once as grouped convolutions; ``x`` ``(B, batch, C, H, W)``."""
         pad = self.conv1.padding
-        y = self.act(_grouped_conv(x, p["conv1.weight"], None, pad))
-        return self.act(_grouped_conv(y, p["conv2.weight"], None, pad))
+        y = self.act(_grouped_conv(x, p["conv1.weight"], p.get("conv1.bias"), pad))
+        return self.act(_grouped_conv(y, p["conv2.weight"], p.get("conv2.bias"), pad))
 
 
-def make_step(kind: str, features: int, act: str, kernel: int = 3) -> nn.Module:
-    """Factory used by the main job: ``kind`` in ``dense | conv | twoconv``."""
+def make_step(kind: str, features: int, act: str, kernel: int = 3, bias: bool = False) -> nn.Module:
+    """Factory used by the main job: ``kind`` in ``dense | conv | twoconv`` (``bias``: the
+    two-conv step's convolution biases; dense and conv steps always have one)."""
     if kind == "dense":
         return DenseStep(features, act)
     if kind == "conv":
         return ConvStep(features, kernel, act)
     if kind == "twoconv":
-        return TwoConvStep(features, kernel, act)
+        return TwoConvStep(features, kernel, act, bias)
     raise ValueError(f"step type {kind!r} is not allowed: use 'dense', 'conv' or 'twoconv'")
 
 
