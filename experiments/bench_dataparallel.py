@@ -2,8 +2,11 @@
 
 Usage (from the repository root):
 
-    /work/venv/bin/python experiments/bench_dataparallel.py     # writes experiments/results/bench_dataparallel.md
-    /work/venv/bin/python experiments/bench_dataparallel.py --steps 20 --global-batch 1024
+    python experiments/bench_dataparallel.py          # writes experiments/results/bench_dataparallel.md
+    python experiments/bench_dataparallel.py --quick  # smoke test (2 steps, 1 pair, small batches)
+    python experiments/bench_dataparallel.py --steps 20 --global-batch 1024
+
+Full mode: about 5 minutes on 2 idle cores; ``--quick`` about one.
 
 The driver launches itself twice, ``OMP_NUM_THREADS=1 mpiexec -n P python -m mpi4py
 experiments/bench_dataparallel.py --worker`` for P = 1 and 2 (the venv's mpiexec; override with
@@ -28,6 +31,10 @@ unpack). Time per step = max over ranks, median of ``--steps`` timed steps after
 steps; throughput = global batch / time per step. ``--pairs`` alternating P_D = 1 / P_D = 2
 launches (default 3) so that slow drifts of the machine's speed hit both sides; speed-ups are
 medians of the per-pair ratios.
+
+Beside data parallelism, the alternative a user has on the same 2 ranks: GPipe (2 stages, M = 1
+-- the blocking chain -- and M = 4; :mod:`bench_dataparallel_model`), and the cost model's
+prediction of every configuration (P_D = 1, P_D = 2, GPipe) from a 1-process calibration.
 """
 from __future__ import annotations
 
@@ -43,13 +50,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+from mpi4py import MPI
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))  # the shared reporting helper
+sys.path.insert(0, str(ROOT / "experiments"))
+import bench_dataparallel_model as gp_model  # noqa: E402 (GPipe baseline and the model's predictions)
+from data import GlobalBatchSampler, load_dataset  # noqa: E402
+from mgrit import perf  # noqa: E402
+from mgrit.parallel.dataparallel import (GradientBuckets, average_gradients,  # noqa: E402
+                                         check_replicas_consistent)
+from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 
 
 def mlp():
-    import torch
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 1024), torch.nn.ReLU(),
                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
@@ -59,7 +76,6 @@ def mlp():
 
 def cnn():
     """PyTorch's examples/mnist network (without dropout)."""
-    import torch
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 32, 3),
                                torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
@@ -68,15 +84,11 @@ def cnn():
 
 
 def many_tensors():
-    import torch
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(64)]).double()
 
 
 def time_allreduce(model, comm, bucket_bytes, reps=30):
-    import numpy as np
-    import torch
-    from mgrit.parallel.dataparallel import average_gradients
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     out, calls = [], 0
@@ -85,7 +97,7 @@ def time_allreduce(model, comm, bucket_bytes, reps=30):
         tim = {}
         t0 = time.perf_counter()
         calls = average_gradients(model.parameters(), comm, bucket_bytes=bucket_bytes, timings=tim)
-        dt = comm.allreduce(time.perf_counter() - t0, op=__import__("mpi4py").MPI.MAX)
+        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         out.append(dt)
     return float(np.median(out[3:])), calls
 
@@ -94,13 +106,6 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
     """Train ``name`` for ``steps`` + 2 steps; ``averaging`` is "buckets" (GradientBuckets) or
     "pack" (average_gradients) or "views" (GradientBuckets with zero_grad(set_to_none=False):
     backward accumulates into the buffers). Returns median/best times (max over ranks)."""
-    import numpy as np
-    import torch
-    from mpi4py import MPI
-
-    from data import GlobalBatchSampler
-    from mgrit.parallel.dataparallel import GradientBuckets, average_gradients, check_replicas_consistent
-
     comm = MPI.COMM_WORLD
     net = {"mlp": mlp, "cnn": cnn}[name]()
     check_replicas_consistent(net.parameters(), grid.data_comm, check_values=True)
@@ -160,12 +165,6 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
 
 
 def worker(args) -> None:
-    import torch
-    from mpi4py import MPI
-
-    from data import load_dataset
-    from mgrit.parallel.procgrid import ProcessGrid
-
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     grid = ProcessGrid(comm, data_parallel=comm.Get_size())
@@ -176,11 +175,20 @@ def worker(args) -> None:
             for path in paths]
     res = {"runs": runs, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
            "torch": torch.__version__}
+    models = (("cnn", cnn, args.cnn_batch), ("mlp", mlp, args.global_batch))
+    if comm.Get_size() == 1:  # the model's calibration, on a dedicated core
+        res["cal"] = [gp_model.calibrate(n, make, b, train) for n, make, b in models]
+    else:  # the pipelining alternative on the same 2 ranks, and the message cost
+        res["gpipe"] = [gp_model.gpipe_throughput(n, make, b, M, comm, train, args.steps)
+                        for n, make, b in models for M in gp_model.MS]
+        c = perf.pingpong(comm, (8, 4096, 1 << 16))
+        res["comm"] = [c.latency, c.bandwidth]
     if comm.Get_size() > 1:
         for name, model in (("mlp", mlp()), ("resnet64", many_tensors())):
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            tb, cb = time_allreduce(model, grid.data_comm, 25 * 2**20)
-            tp, cp = time_allreduce(model, grid.data_comm, 1)
+            reps = 30 if args.steps >= 10 else 5
+            tb, cb = time_allreduce(model, grid.data_comm, 25 * 2**20, reps)
+            tp, cp = time_allreduce(model, grid.data_comm, 1, reps)
             res[f"allreduce_{name}"] = {"tensors": len(list(model.parameters())), "bytes": nbytes,
                                         "bucketed_s": tb, "bucketed_calls": cb,
                                         "per_param_s": tp, "per_param_calls": cp}
@@ -193,12 +201,62 @@ def merge(results: list) -> dict:
     def med(vals):
         return statistics.median(vals) if isinstance(vals[0], (int, float)) else vals[0]
     out = {k: v for k, v in results[0].items() if k != "runs"}
-    out["runs"] = [{k: med([r["runs"][i][k] for r in results]) for k in run}
-                   for i, run in enumerate(results[0]["runs"])]
+    for key in ("runs", "gpipe"):
+        if key in results[0]:
+            out[key] = [{k: med([r[key][i][k] for r in results]) for k in run}
+                        for i, run in enumerate(results[0][key])]
     for k, v in results[0].items():
         if k.startswith("allreduce_"):
             out[k] = {f: med([r[k][f] for r in results]) for f in v}
     return out
+
+
+def model_lines(pairs, args) -> list:
+    """The alternative on the same 2 ranks (GPipe) and the cost model's predictions of every
+    P_D = 1 / P_D = 2 / GPipe configuration (median of the per-pair errors)."""
+    batch = {"cnn": args.cnn_batch, "mlp": args.global_batch}
+    L = ["", "## The alternative on the same 2 ranks: GPipe (mgrit.perf.baselines)", "",
+         "Two stages split at half of the parameters (`bench_dataparallel_model.split`); M "
+         "micro-batches (M = 1: the blocking chain of layer-wise model parallelism). Speed-up vs "
+         "P_D = 1, median over pairs; the strongest P = 2 option per model in bold.", "",
+         "| model | GPipe M | step [ms] | speed-up vs P_D = 1 | data parallel (buckets) speed-up |",
+         "|---|---|---|---|---|"]
+    errs = {}
+    for name in ("cnn", "mlp"):
+        sp = lambda a, b: next(r for r in a["runs"] if r["model"] == name)["step_s"] / b  # noqa: E731
+        dp = statistics.median([sp(a, next(r for r in b["runs"] if r["model"] == name and
+                                           r["averaging"] == "buckets")["step_s"]) for a, b in pairs])
+        for M in gp_model.MS:
+            g = [next(r for r in b["gpipe"] if r["model"] == name and r["M"] == M) for _, b in pairs]
+            gs = statistics.median([sp(a, x["step_s"]) for (a, _), x in zip(pairs, g)])
+            L.append(f"| {name} | {M} | {1e3 * statistics.median([x['step_s'] for x in g]):.1f} | "
+                     f"{'**' if gs > dp else ''}{gs:.2f}x{'**' if gs > dp else ''} | "
+                     f"{'**' if dp >= gs else ''}{dp:.2f}x{'**' if dp >= gs else ''} |")
+        for a, b in pairs:
+            c = next(x for x in a["cal"] if x["model"] == name)
+            pred = gp_model.predict(c, batch[name], perf.CommCost(*b["comm"]))
+            meas = {"P_D = 1": next(r for r in a["runs"] if r["model"] == name)["step_s"],
+                    "dp": next(r for r in b["runs"] if r["model"] == name and r["averaging"] == "buckets")["step_s"],
+                    **{f"gpipe M={x['M']}": x["step_s"] for x in b["gpipe"] if x["model"] == name}}
+            pred["P_D = 1"] = (c["s0_fb"][-1] + c["s1_fb"][-1] + c["opt"] + c["zero"])
+            for k, v in meas.items():
+                errs.setdefault((name, k), []).append(((pred[k] - v) / v, v, pred[k]))
+    L += ["", "## Cost model (mgrit.perf.strategies) against these runs", "",
+          "Predicted from the 1-process launch's calibration (each stage's forward and "
+          "forward+backward at the shard and micro-batch sizes, the optimizer step; "
+          "`bench_dataparallel_model.calibrate`) and the 2-rank ping-pong (Allreduce: "
+          "`strategies.allreduce_time`; GPipe: `strategies.flow_shop` of the two stages). "
+          "Dedicated-core costs: two ranks contending for this VM's memory system run slower "
+          "than predicted. **P > 2 is not validated: this machine has 2 cores.**", "",
+          "| model | configuration | measured [ms] (median) | predicted [ms] (median) | error, median over pairs |",
+          "|---|---|---|---|---|"]
+    for (name, k), v in errs.items():
+        e = statistics.median(x[0] for x in v)
+        L.append(f"| {name} | {'data parallel P_D = 2' if k == 'dp' else k} | "
+                 f"{1e3 * statistics.median(x[1] for x in v):.1f} | "
+                 f"{1e3 * statistics.median(x[2] for x in v):.1f} | {e * 100:+.0f}%"
+                 f"{' **(> 25%)**' if abs(e) > 0.25 else ''} |")
+    return L
 
 
 def launch(nprocs: int, args) -> dict:
@@ -222,12 +280,16 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3,
                     help="alternating P_D = 1 / P_D = 2 launches (default 3); tables show medians "
                          "over them, speed-ups the median of the per-pair ratios")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: 2 timed steps, 1 pair, smaller batches (about a minute)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_dataparallel.md"))
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.quick:
+        args.steps, args.pairs, args.global_batch, args.cnn_batch = 2, 1, 128, 32
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     pairs = [(launch(1, args), launch(2, args)) for _ in range(args.pairs)]  # alternated: a
     r1, r2 = merge([a for a, _ in pairs]), merge([b for _, b in pairs])   # drift hits both
@@ -240,10 +302,9 @@ def main() -> None:
             two = next(r for r in b["runs"] if r["model"] == name and r["averaging"] == mode)
             out.append(one[key] / two[key] if inverse else two[key] / one[key])
         return statistics.median(out)
-    from mgrit.training import report as reporting
     commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     defaults = (args.steps, args.global_batch, args.cnn_batch, args.pairs) == (10, 512, 128, 3)
-    cmd = "/work/venv/bin/python experiments/bench_dataparallel.py" + ("" if defaults else
+    cmd = "python experiments/bench_dataparallel.py" + ("" if defaults else " --quick" if args.quick else
         f" --steps {args.steps} --global-batch {args.global_batch} --cnn-batch {args.cnn_batch}"
         f" --pairs {args.pairs}")
     runs = r1["runs"] + r2["runs"]
@@ -292,6 +353,7 @@ def main() -> None:
                      f"{pair_ratio(name, 'cpu_step_s', inverse=True):.2f}x | "
                      f"{pair_ratio(name, 'samples_per_s', 'views'):.2f}x | "
                      f"{pair_ratio(name, 'samples_per_s', 'pack'):.2f}x |")
+    lines += model_lines(pairs, args)
     lines += ["", "Target: >= 1.7x on a compute-bound configuration (`cnn`). Wall-clock ratios are "
               "what this run saw. The CPU-time ratio does not count time spent descheduled by "
               "other jobs, but still counts MPI busy-waiting for a descheduled peer, so on a "
@@ -306,7 +368,7 @@ def main() -> None:
                      f"{a['per_param_s'] / a['bucketed_s']:.2f}x |")
     lines += ["", "Notes: both ranks share one node (MPICH shared-memory transport), one core each. "
               "This table times `average_gradients` alone (pack + Allreduce + unpack) on ready "
-              "gradients, median of 30. `resnet64` = 64 Linear(64, 64) layers in float64 (many "
+              "gradients, median of 30 (5 with --quick). `resnet64` = 64 Linear(64, 64) layers in float64 (many "
               "small tensors, the shape of a layer-parallel ResNet block: per-call latency "
               "dominates one-call-per-parameter averaging). When the load average exceeds the core "
               "count, other jobs share the cores and wall-clock times (and the MPI wait inside the "

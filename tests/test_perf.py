@@ -188,13 +188,16 @@ def test_solver_overhead_recovers_bookkeeping_cost():
     opts = MGRITOptions(max_levels=2, cfactor=8, tol=0, max_iter=2)
     o = cal.solver_overhead(128, (16, 4), opts, timed, repeats=3)
     assert (o.single, o.call, o.item) == pytest.approx((2.0, 7.0, 0.5), rel=1e-12)
+    # the fit with a per-solve term: 40 more per solve is recovered as such
+    o, fixed = cal.solver_overhead_fit(128, (16, 4), opts, lambda fn: 40.0 + timed(fn), repeats=3)
+    assert (o.single, o.call, o.item, fixed) == pytest.approx((2.0, 7.0, 0.5, 40.0), rel=1e-9)
 
 
 def test_layerparallel_calibration_helpers():
     """calibrate() on a tiny network with a clock that counts torch calls: each calibrated
     cost equals the count of the call it stands for, measured directly (one forward /
     adjoint step, one serial layer); the solver's bookkeeping (``solver_options``) is added
-    field-wise as solver_overhead() gives it; the reductions and the JSON round trip keep the
+    field-wise as solver_overhead_fit() gives it, with its per-solve term; the reductions and the JSON round trip keep the
     values."""
     torch.manual_seed(0)
     N, m = 128, 8
@@ -224,8 +227,8 @@ def test_layerparallel_calibration_helpers():
     assert (c.per_layer, c.refresh, c.nbytes) == (1e-6, 1e-7, 16 * 4 * 4)
 
     with_overhead = calibrate(solver_options=opts)
-    o = cal.solver_overhead(N, (16, 4), opts, clk.count, 2, x.dtype)
-    assert o.single > 0
+    o, fixed = cal.solver_overhead_fit(N, (16, 4), opts, clk.count, 2, x.dtype)
+    assert o.single > 0 and with_overhead.solve_fixed == pytest.approx(fixed, rel=1e-12)
     for name in ("fwd", "adj"):
         got, base = getattr(with_overhead, name), getattr(c, name)
         assert (got.single, got.call, got.item) == pytest.approx(

@@ -1,14 +1,22 @@
-"""Performance model of layer-parallel training: calibrated costs, the MGRIT replay, baselines
-and the planner.
+"""Performance model of layer-parallel training: calibrated costs, the MGRIT replay, the
+baselines it is compared with, and the planner.
 
-Public names (from :mod:`mgrit.perf.model`): :class:`StepCost`, :class:`CommCost`,
-:func:`calibrate_step`, :func:`pingpong`, :func:`simulate`, :class:`TrainCosts`,
-:func:`training_times`, :func:`plan`, :func:`scaling_table`; :mod:`mgrit.perf.calibration`
-times a dense layer-parallel ResNet's costs on the machine at hand.
+Public names here (from :mod:`mgrit.perf.model` and :mod:`mgrit.perf.configs`):
+:class:`StepCost`, :class:`CommCost`, :func:`calibrate_step`, :func:`pingpong`,
+:func:`simulate`, :class:`TrainCosts`, :func:`training_times`, :func:`plan`,
+:func:`scaling_table`. Submodules: :mod:`~mgrit.perf.strategies` (predicted times of serial,
+data-parallel, GPipe, MGRIT and hybrid grids), :mod:`~mgrit.perf.planner` (what to run: a
+convergence probe of the user's network + calibrated costs -> a recommendation),
+:mod:`~mgrit.perf.lean` (the fastest serial loop for dense ResNets) and
+:mod:`~mgrit.perf.baselines` (GPipe and data parallelism over MPI), and
+:mod:`~mgrit.perf.calibration` (costs timed on the machine at hand).
 
-Depends on the solver core (grid, options, solver) and, for calibration only, on
-:mod:`mgrit.nn`; never on :mod:`mgrit.training` or :mod:`mgrit.parallel`. Communicators: only
-those passed in (calibration's ping-pong).
+Depends on the solver core (grid, options, solver) and on :mod:`mgrit.nn` (calibration, lean
+loop, planner); never on :mod:`mgrit.training` or :mod:`mgrit.parallel`. Communicators: only
+those passed in.
 """
 from .model import *  # noqa: F401,F403
-from .model import __all__  # noqa: F401
+from .model import __all__ as _model_all
+from .configs import Plan, plan, scaling_table  # noqa: F401
+
+__all__ = [*_model_all, "Plan", "plan", "scaling_table"]

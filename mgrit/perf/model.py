@@ -6,25 +6,27 @@ over ``B`` intervals ``call + item * B``; :func:`calibrate_step` times callables
 :class:`CommCost` (message ``latency + bytes / bandwidth``; :func:`pingpong`).
 MGRIT: :func:`simulate` replays ``MGRIT.solve``/``LevelOps`` on every rank's grid in lockstep per
 operation (messages flow left to right, a receive waits ``max(t_own, t_send + beta)``): exact
-``SolverStats`` counts per rank and a critical path; the coarsest sweep is pipelined,
+``SolverStats`` counts per rank (also of warm-started solves with a tolerance, whose initial
+guess is F-relaxed and tested first) and a critical path; the coarsest sweep is pipelined,
 ``N_c tau_1 + (P - 1) beta``. Baselines per direction (tau = one layer, beta = one message):
-serial ``N tau``; layer-wise blocking chain ``N tau + (P - 1) beta``; pipelined, ``M``
-micro-batches, ``(M + P - 1)(ceil(N/P) tau(b/M) + beta/M)``. Planner: :func:`plan`.
+serial ``N tau``; layer-wise blocking chain ``N tau + (P - 1) beta``; pipelined (GPipe), ``M``
+micro-batches, ``(M + P - 1) ceil(N/P) tau(b/M) + (P - 1) beta`` with ``tau(b/M)`` the cost at
+the micro-batch size (not ``tau(b) / M``: narrow layers are call-bound). Every strategy on a
+grid of workers: :mod:`mgrit.perf.strategies`; MGRIT's m and L: :func:`mgrit.perf.configs.plan`.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..grid import Hierarchy, Partition
 from ..options import MGRITOptions
 
 __all__ = ["StepCost", "CommCost", "fit_step_cost", "calibrate_step", "pingpong", "simulate",
-           "Simulation", "layerwise_time", "pipelined_time",
-           "TrainCosts", "training_times", "Plan", "plan", "scaling_table"]
+           "Simulation", "layerwise_time", "pipelined_time", "TrainCosts", "training_times"]
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class _Replay:
         if l > 0 and cycle == "F":
             self.cycle(l, "V", it, False, False)
 
-    def run(self, iterations):
+    def run(self, iterations, initial_guess):
         o = self.opts
         self.allreduce()  # validation agreement
         n = len(self.h[0])
@@ -272,10 +274,13 @@ class _Replay:
                 self.clear(l)
                 if l > 0:
                     self.cycle(l, "V", 0, True, False)
-        if o.rtol > 0:
+        prechecked = initial_guess and (o.tol > 0 or o.rtol > 0)
+        if prechecked:  # the solver F-relaxes the guess and tests its residual first
+            self.f_relax(0)
             self.residual()
         for it in range(iterations):
-            self.cycle(0, o.cycle, it, True, o.skip_first_relaxation and it == 0)
+            self.cycle(0, o.cycle, it, not (prechecked and it == 0),
+                       o.skip_first_relaxation and it == 0)
             self.residual()
         return self.s
 
@@ -285,17 +290,21 @@ _ZERO = StepCost(0.0, 0.0, 0.0)
 
 def simulate(n_intervals: int, nprocs: int, options: MGRITOptions, iterations: int | None = None,
              batched: bool | None = None, tau: StepCost = _ZERO, comm: CommCost = CommCost(),
-             nbytes: int = 0) -> Simulation:
-    """Replay ``iterations`` cycles (default ``options.max_iter``; a fixed-iteration solve)
-    of ``MGRIT.solve`` on ``nprocs`` ranks. ``batched`` defaults to ``options.batched`` (pass
-    False for a propagator without a batched kernel). ValueError: ``N < P``, ``iterations < 1``,
-    bad options."""
+             nbytes: int = 0, initial_guess: bool = False) -> Simulation:
+    """Replay ``iterations`` cycles (default ``options.max_iter``; a fixed-iteration solve,
+    or the cycles a tolerance solve took) of ``MGRIT.solve`` on ``nprocs`` ranks.
+    ``batched`` defaults to ``options.batched`` (pass False for a propagator without a batched
+    kernel). ``initial_guess``: the solve was given one (warm start); with ``tol`` or ``rtol``
+    > 0 the solver then F-relaxes it and evaluates its residual before the first cycle, whose
+    leading F-relaxation it skips. ``tau``: step costs; ``comm``/``nbytes``: one message.
+    ValueError: ``N < P``, ``iterations < 1``, bad options."""
     if not isinstance(options, MGRITOptions):
         raise ValueError(f"options must be MGRITOptions, got {type(options).__name__}")
     iterations = options.max_iter if iterations is None else iterations
     _posint(n_intervals=n_intervals, nprocs=nprocs, iterations=iterations)
     batched = options.batched if batched is None else batched
-    return _Replay(n_intervals, nprocs, options, batched, tau, comm, nbytes).run(iterations)
+    return _Replay(n_intervals, nprocs, options, batched, tau, comm, nbytes).run(
+        iterations, bool(initial_guess))
 
 
 def layerwise_time(N: int, P: int, tau: float, beta: float) -> float:
@@ -304,8 +313,11 @@ def layerwise_time(N: int, P: int, tau: float, beta: float) -> float:
 
 
 def pipelined_time(N: int, P: int, M: int, tau_micro: float, beta_micro: float) -> float:
-    """GPipe-style schedule of ``M`` micro-batches over ``P`` stages (one direction)."""
-    return (M + P - 1) * (math.ceil(N / P) * tau_micro + beta_micro)
+    """GPipe schedule of ``M`` micro-batches over ``P`` equal stages (one direction):
+    ``tau_micro`` = one layer at the micro-batch size, ``beta_micro`` = one micro-batch message
+    (non-blocking sends: only the fill pays messages). Unequal stages, head and tail:
+    :func:`mgrit.perf.strategies.gpipe_step`."""
+    return (M + P - 1) * math.ceil(N / P) * tau_micro + (P - 1) * beta_micro
 
 
 @dataclass(frozen=True)
@@ -315,7 +327,8 @@ class TrainCosts:
     (recording) and backward; ``pgrad_item``: the batched parameter-gradient
     sweep per layer; ``per_layer``: per-layer cost of the optimizer update; ``refresh``: per-layer cost
     of snapshotting (stacking) parameters before each MGRIT forward; ``nbytes``: one state
-    message."""
+    message; ``solve_fixed``: the solver's fixed cost per solve (set-up, validation, state
+    allocation not proportional to the work; :func:`mgrit.perf.calibration.solver_overhead_fit`)."""
     fwd: StepCost
     adj: StepCost
     serial_fwd: float
@@ -324,75 +337,26 @@ class TrainCosts:
     per_layer: float = 0.0
     nbytes: int = 0
     refresh: float = 0.0
+    solve_fixed: float = 0.0
 
 
 def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
-                   K_f: int, K_b: int, comm: CommCost = CommCost(), M: int = 4) -> dict:
-    """Predicted seconds of forward, backward and training step for each method."""
+                   K_f: int, K_b: int, comm: CommCost = CommCost()) -> dict:
+    """Predicted seconds of ``forward``, ``backward`` and ``train`` (step incl. optimizer) of
+    ``serial`` (autograd, one rank), ``layerwise`` (blocking chain over ``P`` ranks) and
+    ``mgrit`` (``K_f`` forward / ``K_b`` adjoint cycles). Pipelining, data parallelism and
+    hybrids with batch-size-dependent costs: :mod:`mgrit.perf.strategies`."""
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
     sf, sb = costs.serial_fwd, costs.serial_bwd
     out = {"serial": {"forward": N * sf, "backward": N * sb},
            "layerwise": {"forward": layerwise_time(N, P, sf, beta),
-                         "backward": layerwise_time(N, P, sb, beta)},
-           "pipelined": {"forward": pipelined_time(N, P, M, sf / M, beta / M),
-                         "backward": pipelined_time(N, P, M, sb / M, beta / M)}}
+                         "backward": layerwise_time(N, P, sb, beta)}}
     f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes).critical_path
     b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes).critical_path
-    f, b = f + nl * costs.refresh, b + nl * costs.pgrad_item
+    agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # backward's agreement
+    f += nl * costs.refresh + costs.solve_fixed
+    b += nl * costs.pgrad_item + costs.solve_fixed + agree
     out["mgrit"] = {"forward": f, "backward": b}
     for k, v in out.items():
         v["train"] = v["forward"] + v["backward"] + (N if k == "serial" else nl) * costs.per_layer
     return out
-
-
-@dataclass
-class Plan:
-    """Recommended settings and predictions for one ``(N, P)``."""
-    N: int
-    P: int
-    cfactor: int
-    levels: int
-    K_f: int
-    K_b: int
-    relax: str
-    times: dict = field(default_factory=dict)
-
-    @property
-    def speedup_vs_layerwise(self) -> float:
-        return self.times["layerwise"]["train"] / self.times["mgrit"]["train"]
-
-    @property
-    def speedup_vs_serial(self) -> float:
-        return self.times["serial"]["train"] / self.times["mgrit"]["train"]
-
-
-def plan(N: int, P: int, costs: TrainCosts, comm: CommCost = CommCost(), K_f: int = 2,
-         K_b: int = 1, relax: str = "F", cfactors: Sequence[int] = (4, 8, 16, 32, 64, 128),
-         max_levels: int = 4) -> Plan:
-    """Choose ``m`` and ``L`` minimizing the predicted MGRIT training step at fixed iteration
-    counts (TorchBraid defaults 2 forward / 1 backward; inexact training with warm start).
-    (Convergence, i.e. ``m h |omega|`` small, is the user's check: restrict ``cfactors``.)
-    ValueError: ``N < P``, ``P < 1``, non-positive iteration counts or no admissible m."""
-    _posint(N=N, P=P, K_f=K_f, K_b=K_b, max_levels=max_levels)
-    if N < P:
-        raise ValueError(f"N={N} < P={P}: every rank needs at least one layer")
-    cands = [m for m in cfactors if N // m >= 2]
-    if not cands:
-        raise ValueError(f"no coarsening factor in {list(cfactors)} fits N={N}")
-    best = None
-    for m in cands:
-        for L in range(2, max_levels + 1):
-            if N // m ** (L - 1) < 2:
-                break
-            o = MGRITOptions(max_levels=L, cfactor=m, tol=0, max_iter=K_f, relax=relax)
-            ob = MGRITOptions(max_levels=L, cfactor=m, tol=0, max_iter=K_b, relax=relax)
-            t = training_times(N, P, costs, o, ob, K_f, K_b, comm)
-            if best is None or t["mgrit"]["train"] < best.times["mgrit"]["train"]:
-                best = Plan(N, P, m, L, K_f, K_b, relax, t)
-    return best
-
-
-def scaling_table(N: int, costs: TrainCosts, comm: CommCost = CommCost(),
-                  ranks: Sequence[int] = tuple(2 ** k for k in range(11)), **kw) -> list[Plan]:
-    """:func:`plan` for each ``P`` in ``ranks`` with ``P <= N``."""
-    return [plan(N, P, costs, comm, **kw) for P in ranks if P <= N]
