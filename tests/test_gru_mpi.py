@@ -5,7 +5,14 @@ state and all parameter gradients within 1e-10 relative of an unrolled ``nn.GRUC
 same weights, for sequence lengths 10-23 (not divisible by the rank count), 2 and 3 levels,
 both coarse propagators, with and without the sequence output in the loss. One level: outputs
 bitwise ``nn.GRU``. Inexact mode: the gradient error falls with the iteration count. Bad input:
-the same ValueError on every rank. All checks for one rank count run in one MPI job.
+the same ValueError on every rank. Autograd patterns on 1-3 ranks
+(``tests/mpi_cases/gru_autograd_cases.py``): several forwards then one backward, F1 F2 B1 B2,
+``retain_graph``, ``torch.autograd.grad``, an evaluation forward in between, non-reentrant
+checkpointing, frozen parameters, in-place changes as serial autograd treats them -- gradients
+within 1e-10 of serial autograd -- and the same RuntimeError on every rank for a second
+backward without the graph, a saved tensor changed in place (also on one rank only), ranks
+backpropagating different forwards, ``create_graph``. All checks for one rank count run in
+one MPI job.
 """
 import ast
 
@@ -14,6 +21,10 @@ import pytest
 from tests.mpi_harness import MPIBatch
 
 C = "tests.mpi_cases.gru_cases"
+A = "tests.mpi_cases.gru_autograd_cases"
+AUTOGRAD_CHECKS = ["forwards_then_one_backward", "interleaved_backwards", "retain_graph",
+                   "autograd_grad", "eval_forward_between", "checkpoint", "frozen",
+                   "inplace_like_serial", "inplace_raises", "create_graph_refused"]
 BATCH = MPIBatch()
 EXACT_CASES = [  # seq length, levels, cfactor, coarse, sequence output in the loss
     (10, 2, 2, "power", True),
@@ -35,6 +46,11 @@ for k in (2, 3):
 BATCH.add(2, "warm_start", f"{C}:check_warm_start")
 for k in (1, 3):
     BATCH.add(k, "classifier_sgd", f"{C}:check_classifier_sgd")
+for k in (1, 2, 3):
+    for check in AUTOGRAD_CHECKS:
+        BATCH.add(k, f"autograd_{check}", f"{A}:check_{check}")
+    if k > 1:
+        BATCH.add(k, "autograd_mismatched_backwards", f"{A}:check_mismatched_backwards")
 
 
 @pytest.mark.parametrize("k,name", BATCH.ids())

@@ -11,8 +11,10 @@ mode reproduces ``nn.GRU`` training; only the coarse levels use a rediscretized 
 Every rank holds the same parameters (those of ``nn.GRUCell``) and the time steps of its slice
 (:meth:`ParallelGRU.time_slice`); each rank's parameter gradient is the sum over its steps,
 summed over the time communicator by one ``Allreduce``, so every replica gets the full serial
-gradient and stays identical under any optimizer. Everything a backward needs is held by the
-autograd node of its forward, so several forwards may precede their backwards.
+gradient and stays identical under any optimizer. Each forward in grad mode is one autograd node
+that owns everything its backward needs (:mod:`mgrit.nn.gru_bridge`, built as the layer-parallel
+ResNet's :mod:`mgrit.nn.bridge`), and each backward is agreed over the ranks first
+(:func:`mgrit.nn.agreement.agree_backward`).
 
 Measured (float64, batch 8, input 4, hidden 16, N = 512, default init, 1 rank): residual
 convergence factors, coarse ``"power"`` vs ``"implicit"``: m = 4, 2 levels, FCF 0.023 vs 0.067;
@@ -37,33 +39,12 @@ from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
 from ..solver import MGRIT
-from .gru_chains import COARSE_PROPAGATORS, GRUAdjointChain, GRUChain
+from .gru_bridge import GRUFunction
+from .gru_chains import COARSE_PROPAGATORS, GRUChain
 
 __all__ = ["ParallelGRU"]
 
 _DTYPES = (torch.float32, torch.float64)
-
-
-class _GRUFunction(torch.autograd.Function):
-    """Autograd bridge (as :class:`mgrit.nn.resnet._MGRITFunction`): forward = MGRIT solve,
-    backward = adjoint MGRIT solve + parameter/input VJPs; the solve's data live on ``ctx``."""
-
-    @staticmethod
-    def forward(ctx, model, x, h0, want_seq, *params):
-        ctx.set_materialize_grads(False)
-        h_last, seq, saved = model._forward_solve(x, h0, want_seq)
-        ctx.model, ctx.saved = model, saved
-        ctx.save_for_backward(x, *params)  # version-checked: an in-place update before the
-        return h_last, seq                 # backward raises, as in serial PyTorch
-
-    @staticmethod
-    def backward(ctx, g_last, g_seq):
-        x, *params = ctx.saved_tensors
-        gx, gh0, pgrads = ctx.model._backward_solve(ctx.saved, g_last, g_seq, x, params,
-                                                    ctx.needs_input_grad[1],
-                                                    ctx.needs_input_grad[2])
-        ctx.saved = None
-        return (None, gx, gh0, None, *pgrads)
 
 
 class ParallelGRU(nn.Module):
@@ -92,6 +73,26 @@ class ParallelGRU(nn.Module):
     Raises:
         ValueError: bad sizes, options, ``warm_start`` together with nested iteration, or an
             unknown ``coarse`` -- on every rank (agreed before the parameter broadcast).
+
+    Autograd: each forward in grad mode is one autograd node owning its forward states, so
+    every pattern of serial autograd works: several forwards before one backward, gradient
+    accumulation (F1 B1 F2 B2 or F1 F2 B1 B2), ``torch.autograd.grad``, ``retain_graph=True``,
+    evaluation forwards under ``no_grad`` in between, ``torch.utils.checkpoint`` (both modes;
+    the recomputed solve then starts from the latest warm start, so in inexact mode its
+    states may differ from the first solve's by the solver's inexactness). Every rank must
+    backpropagate the same forwards (each backward is a collective adjoint solve and one
+    ``Allreduce``); the autograd engine runs them in the same order on every rank (ready nodes
+    by descending creation order), and one small agreement per backward turns ranks
+    backpropagating different forwards, or a failed check on one rank, into the same
+    RuntimeError on every rank. In grad mode the outputs always require grad (also with every
+    parameter frozen), so that every rank takes part. A tensor the backward needs changed in
+    place between forward and backward (``weight_hh``; ``weight_ih`` when ``x`` requires grad;
+    ``x`` when ``weight_ih`` does -- as serial ``nn.GRUCell``), and a second backward without
+    ``retain_graph``, raise autograd's RuntimeError on every rank. Frozen parameters
+    (``requires_grad=False``) get no gradient and cost no work (no VJP, not in the
+    ``Allreduce``; no adjoint solve when nothing requires grad); which parameters require grad
+    must be the same on every rank (ValueError at the forward otherwise). Double backward
+    (``create_graph=True``) is refused with a RuntimeError on every rank.
 
     Attributes:
         last_forward, last_backward: :class:`~mgrit.solver.MGRITResult` of the latest solves.
@@ -141,6 +142,8 @@ class ParallelGRU(nn.Module):
         self.reset_parameters()
         self._warm = None
         self.last_forward = self.last_backward = None
+        self._forward_count = 0  # numbers the forwards (the same on every rank: collective)
+        self._token = torch.zeros(0, requires_grad=True)  # see GRUFunction
 
     def reset_parameters(self) -> None:
         """``nn.GRUCell``'s initialization, then rank 0's values broadcast to all ranks."""
@@ -239,7 +242,8 @@ class ParallelGRU(nn.Module):
         Returns:
             ``h_N`` ``(batch, hidden_size)`` on the last time rank; elsewhere an empty
             placeholder connected to the parameters (every rank must take part in the
-            backward: call ``.sum().backward()`` on it, or on anything built from it). With
+            backward: call ``.sum().backward()`` on it, or on anything built from it). In
+            grad mode both always require grad (see the class doc, Autograd). With
             ``return_sequence``: ``(h_N, out)`` where ``out`` ``(batch, e - a, hidden_size)``
             holds ``h_{t+1}`` for this rank's steps ``t = a .. e-1`` (``nn.GRU``'s output
             rows ``a .. e-1``).
@@ -251,29 +255,33 @@ class ParallelGRU(nn.Module):
         Raises:
             ValueError: a PackedSequence, a list of unequal-length sequences, a wrong input or
                 hidden size, a dtype or device other than the parameters', ``seq`` < ranks,
-                ranks disagreeing on the shape -- on every rank, before the solve.
+                ranks disagreeing on the shape or (grad mode) on which parameters require
+                grad -- on every rank, before the solve.
         """
+        params = self._param_list()
         error, xt, unbatched = self._check(x, h0, return_sequence)
-        raise_agreed(self.comm, error, same=tuple(xt.shape) if error is None else None,
-                     what="input shape (batch, seq, input)")
+        grad = torch.is_grad_enabled()
+        flags = tuple(p.requires_grad for p in params) if grad else None
+        raise_agreed(self.comm, error,
+                     same=(tuple(xt.shape), flags) if error is None else None,
+                     what="input shape (batch, seq, input) and which parameters require grad")
         if unbatched:
             xt = xt.unsqueeze(0)
             h0 = None if h0 is None else h0.unsqueeze(0)
-        params = [p for p in (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
-                  if p is not None]
-        self._update_warm = torch.is_grad_enabled()
-        track = torch.is_grad_enabled() and (xt.requires_grad
-                                             or any(p.requires_grad for p in params)
-                                             or (h0 is not None and h0.requires_grad))
-        if track:
-            h_last, seq = _GRUFunction.apply(self, xt, h0, return_sequence, *params)
-        else:
-            with torch.no_grad():
-                h_last, seq, _ = self._forward_solve(xt, h0, return_sequence)
+        self._forward_count += 1
+        if grad:
+            h_last, seq = GRUFunction.apply(self, return_sequence, self._token, xt, h0, *params)
+        else:  # evaluation: no node; uses but keeps the training warm start
+            h_last, seq = self._forward_solve(xt, h0, return_sequence, update_warm=False)[:2]
         if unbatched:
             h_last = h_last.squeeze(0) if h_last.numel() else h_last
             seq = seq.squeeze(0) if return_sequence else seq
         return (h_last, seq) if return_sequence else h_last
+
+    def _param_list(self) -> list[nn.Parameter]:
+        """``weight_ih, weight_hh`` and, with ``bias``, ``bias_ih, bias_hh`` (autograd inputs)."""
+        return [p for p in (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+                if p is not None]
 
     def _solver(self, n: int, options: MGRITOptions, chain, reverse: bool) -> MGRIT:
         part = Partition.even(n, self.comm.Get_size())
@@ -281,7 +289,10 @@ class ParallelGRU(nn.Module):
         return MGRIT(chain, n, options=options, comm=self.comm, dtype=w.dtype, device=w.device,
                      partition=part.reversed() if reverse else part)
 
-    def _forward_solve(self, x, h0, want_seq):
+    def _forward_solve(self, x, h0, want_seq: bool, update_warm: bool):
+        """One forward solve: ``(h_last, seq, states, gi)`` with this rank's forward states
+        ``h_a .. h_{e-1}`` ``(e - a, batch, H)`` and input projections ``(e - a, batch, 3H)``
+        (what a backward needs besides the weights)."""
         batch, n = x.shape[0], x.shape[1]
         a, e = self.time_slice(n)
         w_hh = self.weight_hh.detach()
@@ -304,7 +315,7 @@ class ParallelGRU(nn.Module):
         res = self._solver(n, self.fwd_opts, chain, False).solve(u0, initial_guess=guess,
                                                                  state_shape=shape)
         self.last_forward = res
-        if self.warm_start and self._update_warm:
+        if self.warm_start and update_warm:
             self._warm = res.states
         states = res.states  # rows: points a .. e-1 (and N on the last rank)
         last = e == n
@@ -316,65 +327,14 @@ class ParallelGRU(nn.Module):
                 rows = states[1:] if last else torch.cat(
                     (states[1:], chain.step(states[-1], e - 1, e, 0).unsqueeze(0)))
             seq = rows.transpose(0, 1).contiguous()
-        saved = dict(n=n, a=a, e=e, gi=gi, states=states[:e - a], shape=shape)
-        return h_last, seq, saved
-
-    # -- backward ---------------------------------------------------------------------------
-    def _backward_solve(self, saved, g_last, g_seq, x, params, need_x, need_h0):
-        n, a, e, shape = saved["n"], saved["a"], saved["e"], saved["shape"]
-        w_ih, w_hh = params[0].detach(), params[1].detach()
-        b_hh = params[3].detach() if self.bias else None
-        states, gi = saved["states"], saved["gi"]
-        chain = GRUChain(gi, w_hh, b_hh, a, self.coarse)
-        sources = None
-        if g_seq is not None and g_seq.numel():
-            sources = g_seq.detach().transpose(0, 1)  # (n_local, batch, H)
-        adj = GRUAdjointChain(chain, n, states, sources)
-        lam = None
-        if e == n:  # the root of the reversed chain holds dL/dh_N
-            lam = (g_last.detach().reshape(shape) if g_last is not None and g_last.numel()
-                   else torch.zeros(shape, dtype=w_hh.dtype, device=w_hh.device))
-        res = self._solver(n, self.bwd_opts, adj, True).solve(lam, state_shape=shape)
-        self.last_backward = res
-        n_local = e - a
-        nu_next = res.states[:n_local].flip(0)  # row j: nu_{a+j+1} (reversed point n-a-j-1)
-        with torch.no_grad():
-            dgh, dgi = adj.gate_gradients(nu_next)
-            H3 = dgh.shape[-1]
-            x_loc = x.detach()[:, a:e].transpose(0, 1)
-            grads = [dgi.reshape(-1, H3).t().mm(x_loc.reshape(-1, x_loc.shape[-1])),
-                     dgh.reshape(-1, H3).t().mm(states.reshape(-1, states.shape[-1]))]
-            if self.bias:
-                grads += [dgi.sum((0, 1)), dgh.sum((0, 1))]
-            grads = self._allreduce(grads)
-            gx = gh0 = None
-            if need_x:
-                gx = torch.zeros_like(x)
-                gx[:, a:e] = dgi.matmul(w_ih).transpose(0, 1)
-            if need_h0:
-                gh0 = (res.states[n_local].clone() if a == 0
-                       else torch.zeros(shape, dtype=w_hh.dtype, device=w_hh.device))
-        return gx, gh0, grads
-
-    def _allreduce(self, grads):
-        """Sum the local parameter gradients over the time communicator (one Allreduce)."""
-        if self.comm.Get_size() == 1:
-            return grads
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        host = flat.cpu().contiguous()
-        mpitype = MPI.DOUBLE if host.dtype == torch.float64 else MPI.FLOAT
-        self.comm.Allreduce(MPI.IN_PLACE, [host.numpy(), mpitype], op=MPI.SUM)
-        flat = host.to(flat.device)
-        out, i = [], 0
-        for g in grads:
-            out.append(flat[i:i + g.numel()].view_as(g))
-            i += g.numel()
-        return out
+        return h_last, seq, states[:e - a], gi
 
     def _apply(self, fn, *args, **kwargs):
-        """``.double()``, ``.to()``: drop the warm start (other dtype/device)."""
+        """``.double()``, ``.to()``: drop the warm start (other dtype/device); the token follows
+        the parameters' device."""
         super()._apply(fn, *args, **kwargs)
         self._warm = None
+        self._token = torch.zeros(0, device=self.weight_hh.device, requires_grad=True)
         return self
 
     def to_gru(self) -> nn.GRU:

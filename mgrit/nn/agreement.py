@@ -1,0 +1,67 @@
+"""The agreement before a collective backward of a parallel autograd node (shared by the
+layer-parallel ResNet bridge and the parallel-in-time GRU).
+
+A backward whose body is a collective solve (adjoint MGRIT, a gradient ``Allreduce``) is only
+correct when every rank of the communicator backpropagates the same forward, and only safe
+when no rank has failed the checks that precede the solve (a freed graph, a tensor modified in
+place, ``create_graph``): a rank that raised alone would leave the others waiting in the
+solve. :func:`agree_backward` turns both into the same RuntimeError on every rank, and merges
+the ranks' needs so that all of them run the same collectives.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from mpi4py import MPI
+
+__all__ = ["agree_backward"]
+
+
+def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None,
+                   need: Sequence[bool]) -> tuple[bool, ...]:
+    """Agree, over ``comm``, on one backward of a ``what`` (a class name) before its solve.
+
+    Args:
+        comm: the communicator of the collective backward (every rank calls this once per
+            backward of the node).
+        what: the module's name (``"ParallelGRU"``), in the messages and in the tag that tells
+            this agreement from any other collective that might meet it.
+        forward_id: the number of the forward being backpropagated (the same on every rank
+            for the same forward: forwards are collective, so ranks count them alike).
+        error: this rank's failure of its pre-solve checks (a message), or ``None``.
+        need: this rank's per-item needs (e.g. ``(input gradient, *per-parameter)``); the
+            same length on every rank.
+
+    Returns:
+        The element-wise OR of ``need`` over the ranks: what the collectives must compute
+        (a rank computes its share of an item it does not need itself when another rank
+        does). One small ``allgather``; none on one rank.
+
+    Raises:
+        RuntimeError: on every rank, naming each rank's ``error``, or the forward numbers
+            when ranks backpropagate different forwards, or the ranks that met this
+            agreement inside another collective.
+    """
+    need = tuple(bool(v) for v in need)
+    if comm.Get_size() == 1:
+        if error:
+            raise RuntimeError(error)
+        return need
+    tag = f"{what}.backward"
+    gathered = comm.allgather((error, (tag, forward_id, need)))
+    strays = [r for r, g in enumerate(gathered)
+              if not (isinstance(g, tuple) and len(g) == 2 and isinstance(g[1], tuple)
+                      and len(g[1]) == 3 and g[1][0] == tag and len(g[1][2]) == len(need))]
+    if strays:  # another collective met this one: those ranks are not in this backward
+        raise RuntimeError(f"rank(s) {strays} did not enter the backward of a {what} forward "
+                           f"while the others did: every rank must call backward on the same "
+                           f"forwards")
+    errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+    ids = [t[1] for _, t in gathered]
+    if len(set(ids)) > 1:
+        errs.append(f"ranks backpropagate different forwards of this {what} ("
+                    + ", ".join(f"rank {r}: forward #{i}" for r, i in enumerate(ids))
+                    + "): every rank must call backward on the same forwards, in the same order")
+    if errs:
+        raise RuntimeError("; ".join(errs))
+    return tuple(any(t[2][i] for _, t in gathered) for i in range(len(need)))
