@@ -1,9 +1,51 @@
-"""The training runtime: fault handling (fail fast across ranks), atomic re-partitionable
-checkpoints, the convergence guard, and run reports.
+"""The training runtime: one training loop for layer-parallel and serial networks, with
+data-parallel replicas, checkpoints, the convergence guard, fault reports and run output.
 
-Modules: :mod:`~mgrit.training.faults`, :mod:`~mgrit.training.checkpoint`,
-:mod:`~mgrit.training.guard`, :mod:`~mgrit.training.report`.
+Public names: :class:`Trainer` (``step``, ``evaluate``, ``fit``, ``save``, ``load``), its
+records :class:`FitResult`, :class:`StepRecord`, :class:`EpochRecord`, :class:`FitPlan`, the
+shipped callbacks :class:`ConvergenceGuard`, :class:`ProgressBar`, :class:`ConsoleLog`,
+:class:`MetricsWriter`, and :func:`fail_fast`. Modules: ``trainer`` (the loop), ``epoch``,
+``schedule`` (batches, shards), ``nets`` (one interface for LayerParallelNet and serial
+modules), ``callbacks``, ``metrics``, ``checkpoint`` (+ ``checkpoint_io``, ``ckpt_match``),
+``guard``, ``faults`` (phases, one-line failure reports), ``models`` (registry of the main
+job's networks), ``jobconfig`` + ``cli`` + ``job`` (the main job), ``report``, ``guenther``,
+``mgopt`` (MG/Opt).
 
-Depends on the solver core, :mod:`mgrit.nn` and :mod:`mgrit.parallel`; never imported by
-them. Communicators: those of the process grid it is given.
+Depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`; never
+imported by them, and never imports ``experiments``; only ``job`` (the main job's composition,
+imported by nothing in the library) imports ``layerwise``. Communicators: only
+those of the :class:`~mgrit.parallel.ProcessGrid` it is given (``grid.comm`` for agreement,
+checkpoints and timing, ``grid.layer_comm`` inside the network, ``grid.data_comm`` for gradient
+averaging and metrics); ``fail_fast`` aborts on the communicator passed to it.
+
+A researcher's script (every rank)::
+
+    grid = ProcessGrid(MPI.COMM_WORLD, data_parallel=2)
+    train, test = load_dataset("digits")
+    net = LayerParallelNet(opening, LayerParallelResNet.build(..., comm=grid.layer_comm), closing)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    trainer = Trainer(net, opt, grid, loss=F.cross_entropy, callbacks=[ConsoleLog()],
+                      checkpoint="run/checkpoint.pt")
+    result = trainer.fit(train, epochs=2, batch_size=50, seed=0, test=test)
+
+One step, through the modules::
+
+    fit: schedule.epoch_batches -> this replica's shard (x, y)         [data.sharding]
+     step: zero_grad (GradientBuckets or optimizer)
+           net(x): opening (first layer rank) -> MGRIT forward solve -> closing (last rank)
+           net.loss(out, y, loss) -> backward(): adjoint MGRIT solve -> parameter .grad
+           callbacks.on_after_backward (ConvergenceGuard: residuals, NaN -> layer named)
+           GradientBuckets.average(weight = shard / global batch)      [grid.data_comm]
+           optimizer.step()  -> net.from_last(loss, correct) -> StepRecord -> on_step_end
+     epoch end: allreduce totals, evaluate(test), EpochRecord -> on_epoch_end (metrics.h5),
+                checkpoint.save_checkpoint (atomic, weights-only contents)  [grid.comm]
 """
+from .callbacks import ConsoleLog, ProgressBar
+from .faults import fail_fast
+from .guard import ConvergenceGuard
+from .metrics import MetricsWriter
+from .records import EpochRecord, FitPlan, FitResult, StepRecord
+from .trainer import Trainer
+
+__all__ = ["Trainer", "FitResult", "StepRecord", "EpochRecord", "FitPlan", "ConvergenceGuard",
+           "ProgressBar", "ConsoleLog", "MetricsWriter", "fail_fast"]

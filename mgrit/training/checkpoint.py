@@ -1,65 +1,89 @@
-"""Atomic, re-partitionable checkpoints of layer-parallel training.
+"""Atomic, re-partitionable checkpoints of training (layer-parallel, serial, data-parallel).
 
-One file, written by the root rank: ``torch.save`` to ``PATH.tmp``, ``fsync``, ``os.replace``
-onto ``PATH``, ``fsync`` of the directory. A crash or ``kill -9`` while saving leaves the
-previous ``PATH`` intact (at worst a stale ``PATH.tmp``, overwritten next time).
+One file (:mod:`~mgrit.training.checkpoint_io`: plain contents, atomic write, loaded with
+``weights_only=True``), written by rank 0 of the grid. Contents (format 2), every per-layer
+item under a **global** key (:func:`mgrit.training.nets.blocks`), so a checkpoint saved on
+``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
 
-Contents (format version 1), every per-layer item under **global** keys so that a checkpoint
-saved with ``P`` ranks loads with any other ``P'`` (layers are re-partitioned):
+* ``model``: weights and buffers under the keys of ``net.to_serial().state_dict()`` (``"0.*"``
+  opening, ``"{1+k}.F.*"`` layer ``k``, ``"{N+1}.*"`` closing; a serial network's own keys,
+  so the main job's serial and layer-parallel networks load each other's checkpoints), from
+  replica 0;
+* ``optimizer``: its class name, per-parameter state and group hyper-parameters by key;
+* ``net``: kind, layers and state shape per segment; ``grid``: ``P_L``, ``P_D``;
+* ``options``: forward/backward MGRIT options per segment (a guard may have changed them);
+* ``warm``: warm-start states per replica, segment and global fine point;
+* ``ranks``: per rank the torch/numpy/Python RNG states and the caller's ``rank_extra``;
+* ``extra``: the caller's dict (data position, history, ...), plain contents only.
 
-* ``model``: ``"{k}.{name}"`` for residual layer ``k`` (as
-  :meth:`LayerParallelResNet.gather_state_dict`), ``"opening.{name}"``, ``"closing.{name}"``;
-* ``optimizer``: state (momentum buffers, Adam moments, step counts) per global parameter key
-  ``"resnet.{k}.{name}"`` / ``"opening.{name}"`` / ``"closing.{name}"``, plus each
-  parameter's group hyper-parameters (lr, momentum, ...);
-* ``rng``: torch (and CUDA), numpy and Python ``random`` states of every rank;
-* ``warm``: warm-start states per global fine point (re-partitionable);
-* ``options``: the forward/backward :class:`MGRITOptions` in use (a convergence guard may have
-  changed them); ``extra``: the caller's dict (data position: ``epoch``, ``batch``,
-  ``sampler_seed``; guard state; anything picklable), returned by :func:`load_checkpoint`.
+Every failure while saving -- on any rank, of any type (torch's serializer raises
+``RuntimeError`` when a file-size limit is hit mid-write) -- reaches every rank as one
+:class:`CheckpointError` (one gather and one broadcast), and the previous file stays intact.
+Loading checks the file, the caller's ``expect`` values (e.g. the training data), the kind of
+network, layer count, parameter keys and shapes and the optimizer type on rank 0 and raises
+the same ``ValueError`` on every rank before anything is changed.
 
-Loading on the same ``P`` restores everything and resuming is bitwise identical to an
-uninterrupted run. On another ``P`` the RNG state of rank ``r`` comes from saved rank ``r``
-(rank 0's for new ranks beyond the old ``P``) and the notes returned say so.
+Usage (every rank of the grid)::
 
-Usage (every rank of the layer communicator)::
-
-    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), resnet, opt,
-                    {"epoch": e, "batch": b + 1, "sampler_seed": seed}, comm,
-                    opening=net.opening, closing=net.closing)
-    ...
-    extra = load_checkpoint(path, resnet, opt, comm, opening=net.opening, closing=net.closing)
-    start_epoch, start_batch = extra["epoch"], extra["batch"]
+    save_checkpoint(path, net, optimizer, grid, extra={"epoch": e, "batch": b})
+    loaded = load_checkpoint(path, net, optimizer, grid)
+    loaded.extra["epoch"], loaded.notes
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import random
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
-from .faults import phase
 from ..options import MGRITOptions
+from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
+from .ckpt_match import mismatches, payloads
+from .faults import phase
+from .nets import (as_net, blocks, net_meta, owned_points, replace_solver, segments,
+                   set_warm_states, solver_options, warm_states)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "FORMAT"]
-
-FORMAT = "layerpar-checkpoint-1"
+__all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "CheckpointError", "FORMAT"]
 
 
-def _param_keys(resnet, opening, closing) -> dict:
-    """id(parameter) -> global key for this rank's parameters."""
-    keys = {}
-    for j, s in enumerate(resnet.steps):
-        for n, p in s.named_parameters():
-            keys[id(p)] = f"resnet.{resnet.first + j}.{n}"
-    for prefix, mod in (("opening", opening), ("closing", closing)):
-        if mod is not None:
-            for n, p in mod.named_parameters():
-                keys.setdefault(id(p), f"{prefix}.{n}")
-    return keys
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank; the previous file is intact)."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` returns (identical on every rank except ``rank_extra``).
+
+    Attributes:
+        extra: the saved ``extra`` dict. rank_extra: this rank's saved ``rank_extra`` (saved
+            rank ``r``'s, rank 0's for ranks beyond the saved grid; see ``notes``).
+        notes: what loading on another grid changed (re-partitioned layers, RNG states).
+        saved_grid: ``(P_L, P_D)`` of the run that wrote it. path: the file.
+    """
+
+    extra: dict
+    rank_extra: dict
+    notes: list = field(default_factory=list)
+    saved_grid: tuple = (1, 1)
+    path: str = ""
+
+
+def _grid_info(grid):
+    if grid is None:
+        return MPI.COMM_SELF, 0, 0, 1, 1
+    return grid.comm, grid.layer_rank, grid.data_rank, grid.layer_size, grid.data_size
+
+
+def _check_path(path) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"checkpoint path {path!r} is not allowed: use a non-empty path")
+    return os.path.abspath(os.fspath(path))
+
+
+def _describe(exc: BaseException, rank: int) -> str:
+    return f"rank {rank}: {type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _optimizer_local(optimizer, keys) -> dict:
@@ -72,8 +96,8 @@ def _optimizer_local(optimizer, keys) -> dict:
         for p, i in zip(g["params"], gsd["params"]):
             key = keys.get(id(p))
             if key is None:
-                raise ValueError("the optimizer holds a parameter that is neither in the resnet "
-                                 "nor in opening/closing: pass the modules it optimizes")
+                raise ValueError("the optimizer holds a parameter that is not part of the "
+                                 "network: pass the network it optimizes")
             groups[key] = hyper
             if i in sd["state"]:
                 state[key] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
@@ -81,248 +105,171 @@ def _optimizer_local(optimizer, keys) -> dict:
     return {"state": state, "groups": groups}
 
 
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
+def _param_keys(net) -> dict:
+    return {id(p): prefix + n for prefix, m in blocks(net) for n, p in m.named_parameters()}
 
 
-def _set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+def _local_part(net, optimizer, grid, rank_extra) -> dict:
+    comm, lrank, drank, _, _ = _grid_info(grid)
+    part = {"rng": rng_state(), "extra": dict(rank_extra or {}), "data_rank": drank,
+            "model": None, "optimizer": None, "warm": None}
+    if drank == 0:
+        part["model"] = {prefix + n: t.detach().cpu().clone() for prefix, m in blocks(net)
+                         for n, t in m.state_dict().items()}
+        part["optimizer"] = _optimizer_local(optimizer, _param_keys(net))
+    ws = warm_states(net)
+    if any(w is not None for w in ws):
+        part["warm"] = ws
+    if comm.Get_rank() == 0:
+        part["head"] = {"net": net_meta(net),
+                        "optimizer_type": None if optimizer is None else type(optimizer).__name__,
+                        "options": [{"forward": _options_dict(f), "backward": _options_dict(b)}
+                                    for f, b in solver_options(net)]}
+    check_plain(part, f"rank {comm.Get_rank()}'s part of the checkpoint")
+    return part
 
 
 def _options_dict(o: MGRITOptions) -> dict:
     return {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.init}
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _dump(obj, fh) -> None:
-    """Serialize ``obj`` into the open file (tests replace this to simulate slow writes)."""
-    torch.save(obj, fh)
-
-
-def _write_atomic(path: str, obj) -> None:
-    path = os.path.abspath(path)
-    tmp = path + ".tmp"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(tmp, "wb") as fh:
-        _dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _agree(comm: MPI.Comm, root: int, error, exc_type=ValueError) -> None:
-    """Raise the root's error (a string) on every rank."""
-    error = comm.bcast(error, root=root)
-    if error:
-        raise exc_type(error)
-
-
-def _check_args(path, resnet, comm, root):
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"checkpoint path {path!r} is not allowed: use a non-empty path")
-    if not hasattr(resnet, "steps") or not hasattr(resnet, "partition"):
-        raise ValueError(f"resnet must be a LayerParallelResNet, got {type(resnet).__name__}")
-    comm = resnet.comm if comm is None else comm
-    if comm.Get_size() != resnet.comm.Get_size():
-        raise ValueError(f"comm has {comm.Get_size()} ranks but the resnet's layer communicator "
-                         f"has {resnet.comm.Get_size()}: pass the layer communicator")
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
-        raise ValueError(f"root={root!r} is not allowed: use a rank 0..{comm.Get_size() - 1}")
-    return os.fspath(path), comm
-
-
-def save_checkpoint(path, resnet, optimizer, extra: dict | None = None, comm: MPI.Comm | None = None,
-                    opening=None, closing=None, root: int = 0) -> None:
-    """Save model, optimizer, RNG states, warm-start states and ``extra`` atomically (collective
-    over ``comm``, the resnet's layer communicator; default ``resnet.comm``).
+def save_checkpoint(path, net, optimizer, grid=None, extra: dict | None = None,
+                    rank_extra: dict | None = None) -> None:
+    """Save model, optimizer, RNG states, warm-start states and ``extra`` atomically
+    (collective over ``grid.comm``; ``grid=None``: one process).
 
     Args:
-        path: checkpoint file (written by ``root`` via ``PATH.tmp`` + ``os.replace``).
-        resnet: this rank's :class:`~mgrit.nn.LayerParallelResNet`.
-        optimizer: this rank's optimizer over its resnet layers (and opening/closing), or None.
-        extra: picklable dict (data position, guard state, ...), stored as given by ``root``.
-        opening, closing: the modules around the resnet on the first/last layer rank (None
-            elsewhere, e.g. ``net.opening``/``net.closing`` of a LayerParallelNet).
+        path: the checkpoint file (written by grid rank 0 via ``PATH.tmp`` + ``os.replace``).
+        net: this rank's network (LayerParallelNet or a serial module).
+        optimizer: this rank's optimizer over ``net``'s parameters, or None.
+        grid: the :class:`~mgrit.parallel.ProcessGrid` of the run (replica 0's model is saved).
+        extra: plain dict (tensors, dict/list/tuple, str/int/float/bool/None), rank 0's kept.
+        rank_extra: plain dict kept per rank (e.g. callback states).
 
     Raises:
-        ValueError: bad arguments (every rank, before communicating); an ``OSError`` text of
-            the root's write, re-raised as ``OSError`` on every rank.
+        ValueError: a bad path (every rank, before communicating).
+        CheckpointError: any failure on any rank while preparing or writing (every rank).
     """
-    path, comm = _check_args(path, resnet, comm, root)
-    if extra is not None and not isinstance(extra, dict):
-        raise ValueError(f"extra must be a dict or None, got {type(extra).__name__}")
-    with phase("checkpoint"):
-        keys = _param_keys(resnet, opening, closing)
-        local = {
-            "model": resnet.gather_state_dict(root=root),
-            "mods": {p: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()}
-                     for p, m in (("opening", opening), ("closing", closing)) if m is not None},
-            "optimizer": _optimizer_local(optimizer, keys),
-            "rng": _rng_state(),
-            "warm": None,
-        }
-        warm = getattr(resnet, "_warm", None)
-        if warm is not None:
-            lo = resnet._fsolver.hierarchy.levels[0].lo
-            local["warm"] = {lo + i: warm[i].detach().cpu().clone() for i in range(warm.shape[0])}
-        model = local.pop("model")
-        parts = comm.gather(local, root=root)
-        error = None
-        if comm.Get_rank() == root:
-            ckpt = {"format": FORMAT, "n_layers": resnet.n_layers, "nprocs": comm.Get_size(),
-                    "state_shape": tuple(resnet.state_shape), "dtype": str(resnet.dtype),
-                    "model": dict(model), "optimizer": {"state": {}, "groups": {}},
-                    "rng": [p["rng"] for p in parts], "warm": None,
-                    "options": {"forward": _options_dict(resnet.fwd_opts),
-                                "backward": _options_dict(resnet.bwd_opts)},
-                    "extra": dict(extra or {})}
-            for p in parts:
-                for prefix, sd in p["mods"].items():
-                    ckpt["model"].update({f"{prefix}.{n}": t for n, t in sd.items()})
-                ckpt["optimizer"]["state"].update(p["optimizer"]["state"])
-                ckpt["optimizer"]["groups"].update(p["optimizer"]["groups"])
-                if p["warm"] is not None:
-                    ckpt["warm"] = ckpt["warm"] or {}
-                    ckpt["warm"].update(p["warm"])
+    path = _check_path(path)
+    comm = _grid_info(grid)[0]
+    net = as_net(net)
+    rank = comm.Get_rank()
+    failure, local, error = None, None, None
+    try:
+        with phase("checkpoint"):
+            local = _local_part(net, optimizer, grid, rank_extra)
+            if rank == 0:
+                check_plain(extra or {}, "extra")
+    except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+        failure, local = exc, None
+    parts = comm.gather((None if failure is None else _describe(failure, rank), local), root=0)
+    if rank == 0:
+        errors = [e for e, _ in parts if e]
+        error = "; ".join(errors) or None
+        if error is None:
             try:
-                _write_atomic(path, ckpt)
-            except OSError as exc:
-                error = f"could not write checkpoint {path!r}: {exc}"
-        _agree(comm, root, error, OSError)
+                write_atomic(path, _assemble(parts, grid, extra))
+            except Exception as exc:  # noqa: BLE001 - e.g. RuntimeError of torch's writer
+                failure, error = exc, _describe(exc, rank)
+    error = comm.bcast(error, root=0)
+    if error:
+        with phase("checkpoint"):
+            raise CheckpointError(f"checkpoint {path!r} was not written ({error}); the "
+                                  f"previous checkpoint file, if any, is unchanged") from failure
 
 
-def _read(path: str):
-    if not os.path.exists(path):
-        return None, f"checkpoint {path!r} does not exist"
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
-        return None, f"checkpoint {path!r} is not readable ({type(exc).__name__}: {exc})"
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        return None, f"checkpoint {path!r} is not a {FORMAT} file"
-    return ckpt, None
+def _assemble(parts, grid, extra) -> dict:
+    _, _, _, P_L, P_D = _grid_info(grid)
+    head = parts[0][1]["head"]
+    ckpt = {"format": FORMAT, "grid": [P_L, P_D], "net": head["net"], "model": {},
+            "optimizer": {"type": head["optimizer_type"], "state": {}, "groups": {}},
+            "options": head["options"], "warm": None, "ranks": [], "extra": dict(extra or {})}
+    for _, p in parts:
+        ckpt["ranks"].append({"rng": p["rng"], "extra": p["extra"]})
+        if p["model"] is not None:
+            ckpt["model"].update(p["model"])
+            ckpt["optimizer"]["state"].update(p["optimizer"]["state"])
+            ckpt["optimizer"]["groups"].update(p["optimizer"]["groups"])
+        if p["warm"] is not None:
+            ckpt["warm"] = ckpt["warm"] or {}
+            merged = ckpt["warm"].setdefault(p["data_rank"], [{} for _ in p["warm"]])
+            for k, w in enumerate(p["warm"]):
+                merged[k].update(w or {})
+    return ckpt
 
 
-def load_checkpoint(path, resnet, optimizer, comm: MPI.Comm | None = None, opening=None,
-                    closing=None, root: int = 0, restore_rng: bool = True,
-                    restore_warm: bool = True, restore_options: bool = True) -> dict:
-    """Load a checkpoint of :func:`save_checkpoint` into this rank's layers (collective over
-    the layer communicator). Works with any number of ranks: each rank takes its layers,
-    their optimizer state and the warm-start states of its fine points by global index.
+def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = None,
+                    restore_rng: bool = True, restore_warm: bool = True,
+                    restore_options: bool = True) -> LoadedCheckpoint:
+    """Load a checkpoint of :func:`save_checkpoint` into this rank's part of ``net`` and
+    ``optimizer`` (collective over ``grid.comm``), on any grid.
 
     Args:
-        restore_rng: set this rank's RNG states (saved rank ``r``'s; rank 0's for ranks
-            beyond the saved ``P``).
-        restore_warm: restore warm-start states (when saved).
-        restore_options: rebuild the MGRIT solvers with the saved forward/backward options
-            when they differ (e.g. a guard switched to serial propagation).
-
-    Returns:
-        the saved ``extra`` dict plus ``"_notes"`` (list of strings about re-partitioning) and
-        ``"_nprocs"`` (the ``P`` it was saved with).
+        expect: ``{key: value}`` that must equal the saved ``extra[key]`` (e.g. a description
+            of the training data, the batch size); differences are named in the error.
+        restore_rng: set this rank's RNG states (saved rank ``r``'s; rank 0's for new ranks).
+        restore_warm: restore the forward warm-start states (when saved).
+        restore_options: rebuild the MGRIT solvers with the saved options when they differ
+            (e.g. a guard switched to serial propagation).
 
     Raises:
-        FileNotFoundError: ``path`` missing; ValueError: not a checkpoint, a different number
-            of layers, state shape or dtype, or a missing layer/parameter -- on every rank.
+        FileNotFoundError: ``path`` missing. ValueError: not a layerpar checkpoint, a file
+            holding objects other than tensors and plain containers (refused, nothing run),
+            or a checkpoint that does not match: ``expect``, kind of network, layer count,
+            parameter keys/shapes, optimizer type -- the same message on every rank.
     """
-    path, comm = _check_args(path, resnet, comm, root)
-    rank, P = comm.Get_rank(), comm.Get_size()
-    with phase("checkpoint"):
-        keys = _param_keys(resnet, opening, closing)
-        lv = resnet._fsolver.hierarchy.levels[0]
-        want = {"layers": [(f"{resnet.first + j}.{n}") for j, s in enumerate(resnet.steps)
-                           for n in s.state_dict()],
-                "mods": {p: list(m.state_dict()) for p, m in (("opening", opening), ("closing", closing))
-                         if m is not None},
-                "points": (lv.lo, lv.hi)}
-        wants = comm.gather(want, root=root)
-        ckpt, error, payloads = None, None, None
-        if rank == root:
-            if not os.path.exists(path):
-                error = ("missing", f"checkpoint {path!r} does not exist")
-            else:
-                ckpt, msg = _read(path)
-                if msg:
-                    error = ("bad", msg)
-                elif ckpt["n_layers"] != resnet.n_layers:
-                    error = ("bad", f"checkpoint {path!r} has {ckpt['n_layers']} layers, the model "
-                                    f"{resnet.n_layers}")
-                elif tuple(ckpt["state_shape"]) != tuple(resnet.state_shape):
-                    error = ("bad", f"checkpoint {path!r} has state shape {tuple(ckpt['state_shape'])}, "
-                                    f"the model {tuple(resnet.state_shape)}")
-                else:
-                    missing = [k for w in wants for k in w["layers"] if k not in ckpt["model"]]
-                    missing += [f"{p}.{n}" for w in wants for p, ns in w["mods"].items() for n in ns
-                                if f"{p}.{n}" not in ckpt["model"]]
-                    if missing:
-                        error = ("bad", f"checkpoint {path!r} lacks {len(missing)} entries, e.g. "
-                                        f"{missing[:3]}")
-        error = comm.bcast(error, root=root)
-        if error:
-            raise (FileNotFoundError if error[0] == "missing" else ValueError)(error[1])
-        if rank == root:
-            old_P = ckpt["nprocs"]
-            notes = []
-            if old_P != P:
-                notes.append(f"checkpoint saved with P={old_P}, loaded with P={P}: layers "
-                             f"re-partitioned; RNG states of ranks >= {old_P} taken from rank 0")
-            payloads = []
-            for r, w in enumerate(wants):
-                lo, hi = w["points"]
-                warm = None
-                if restore_warm and ckpt["warm"] is not None:
-                    if all(i in ckpt["warm"] for i in range(lo, hi)):
-                        warm = torch.stack([ckpt["warm"][i] for i in range(lo, hi)])
-                    elif r == 0:
-                        notes.append("warm-start states incomplete in the checkpoint: dropped")
-                payloads.append({
-                    "model": {k: ckpt["model"][k] for k in w["layers"]},
-                    "mods": {p: {n: ckpt["model"][f"{p}.{n}"] for n in ns} for p, ns in w["mods"].items()},
-                    "optimizer": ckpt["optimizer"],
-                    "rng": ckpt["rng"][r] if r < old_P else ckpt["rng"][0],
-                    "warm": warm, "options": ckpt["options"],
-                    "extra": {**ckpt["extra"], "_notes": notes, "_nprocs": old_P}})
-        mine = comm.scatter(payloads, root=root)
-        for j, s in enumerate(resnet.steps):
-            k = resnet.first + j
-            s.load_state_dict({n: mine["model"][f"{k}.{n}"] for n in s.state_dict()})
-        for p, m in (("opening", opening), ("closing", closing)):
-            if m is not None:
-                m.load_state_dict(mine["mods"][p])
-        if optimizer is not None:
-            _load_optimizer(optimizer, mine["optimizer"], keys)
-        if restore_options:
-            from .guard import _replace_solver
-            for which, cur in (("forward", resnet.fwd_opts), ("backward", resnet.bwd_opts)):
-                saved = MGRITOptions(**mine["options"][which])
+    path = _check_path(path)
+    net = as_net(net)
+    comm, lrank, drank, P_L, P_D = _grid_info(grid)
+    rank = comm.Get_rank()
+    want = {"model": {prefix + n: list(t.shape) for prefix, m in blocks(net)
+                      for n, t in m.state_dict().items()},
+            "points": owned_points(net), "data_rank": drank}
+    wants = comm.gather(want, root=0)
+    error, plans = None, None
+    if rank == 0:
+        ckpt, error = read_file(path)
+        if error is None:
+            head = {"net": net_meta(net), "expect": dict(expect or {}),
+                    "optimizer_type": None if optimizer is None else type(optimizer).__name__}
+            bad = mismatches(ckpt, head, wants)
+            if bad:
+                error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
+        if error is None:
+            plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net_meta(net)["kind"])
+    error = comm.bcast(error, root=0)
+    if error:
+        raise (FileNotFoundError if error[0] == "missing" else ValueError)(error[1])
+    mine = comm.scatter(plans, root=0)
+    failure = None
+    try:
+        _apply(mine, net, optimizer, restore_rng, restore_warm, restore_options)
+    except Exception as exc:  # noqa: BLE001 - agreed below, so no rank goes on alone
+        failure = exc
+    errors = comm.allgather(None if failure is None else _describe(failure, rank))
+    if any(errors):
+        raise ValueError(f"checkpoint {path!r} could not be loaded: "
+                         + "; ".join(e for e in errors if e)) from failure
+    return LoadedCheckpoint(extra=mine["extra"], rank_extra=mine["rank_extra"],
+                            notes=mine["notes"], saved_grid=tuple(mine["saved_grid"]), path=path)
+
+
+def _apply(mine, net, optimizer, restore_rng, restore_warm, restore_options) -> None:
+    for prefix, m in blocks(net):
+        m.load_state_dict({n: mine["model"][prefix + n] for n in m.state_dict()})
+    if optimizer is not None:
+        _load_optimizer(optimizer, mine["optimizer"], _param_keys(net))
+    segs = segments(net)
+    if restore_options and len(mine["options"]) == len(segs):
+        for seg, saved_k, current in zip(segs, mine["options"], solver_options(net)):
+            for which, cur in zip(("forward", "backward"), current):
+                saved = MGRITOptions(**saved_k[which])
                 if _options_dict(saved) != _options_dict(cur):
-                    _replace_solver(resnet, which, saved)
-        if restore_warm:
-            w = mine["warm"]
-            resnet._warm = None if w is None else w.to(device=resnet.device, dtype=resnet.dtype)
-        if restore_rng:
-            _set_rng_state(mine["rng"])
-        return mine["extra"]
+                    replace_solver(seg, which, saved)
+    if restore_warm and segs:
+        set_warm_states(net, mine["warm"])
+    if restore_rng:
+        set_rng_state(mine["rng"])
 
 
 def _load_optimizer(optimizer, saved: dict, keys: dict) -> None:
@@ -339,8 +286,8 @@ def _load_optimizer(optimizer, saved: dict, keys: dict) -> None:
         for p, i in zip(g["params"], gsd["params"]):
             key = keys.get(id(p))
             if key is None:
-                raise ValueError("the optimizer holds a parameter that is neither in the resnet "
-                                 "nor in opening/closing: pass the modules it optimizes")
+                raise ValueError("the optimizer holds a parameter that is not part of the "
+                                 "network: pass the network it optimizes")
             if key in saved["state"]:
                 state[i] = saved["state"][key]
             ids.append(i)

@@ -10,8 +10,12 @@ collective. Three pieces:
   traceback) and the attributes ``exc.layerpar_rank`` / ``exc.layerpar_phase`` (the innermost
   phase wins; outer phases leave a tagged exception alone). The exception keeps its type and
   message, so ``except ValueError`` still works.
-* :func:`fail_fast` -- installs ``sys.excepthook`` (and ``threading.excepthook``): prints ``rank R failed in phase P: Type: message``,
-  the traceback, then ``MPI_Abort``. Works with and without ``python -m mpi4py``.
+* :func:`fail_fast` -- installs ``sys.excepthook`` (and ``threading.excepthook``): prints ONE
+  line ``rank R failed in phase P: Type: message | what to do: ... | traceback: FILE``, keeps
+  the full traceback in ``LOG_DIR/error-rank-R.log`` (printed too with ``debug=True``, or when
+  no log directory is set), then ``MPI_Abort`` (whose own banner is suppressed). Ranks other
+  than 0 wait 0.5 s first, so an error raised on every rank (a bad file, an agreed
+  ``ValueError``) is reported once, by rank 0. Works with and without ``python -m mpi4py``.
 * :func:`maybe_inject` -- called on entry of every :class:`phase`; raises
   :class:`InjectedFault` when ``$LAYERPAR_INJECT_FAULT`` selects this rank and phase.
 
@@ -23,20 +27,20 @@ entry (1-based, default 1) of that phase on that rank. Example::
 
 Phase names used by the library (:data:`PHASES`): ``"forward relaxation"``, ``"coarse solve"``
 (forward MGRIT; see :func:`instrument_resnet`), ``"adjoint"`` (the backward solve),
-``"data loading"`` and ``"gradient averaging"`` (tagged by the training script), plus
-``"checkpoint"`` (:mod:`mgrit.training.checkpoint`).
+``"data loading"``, ``"gradient averaging"`` and ``"evaluation"`` (the training loop),
+``"checkpoint"`` (:mod:`mgrit.training.checkpoint`), ``"run directory"`` and ``"model setup"``
+(the main job). Each has a default hint of what to do (:data:`HINTS`); ``phase(name, hint=...)``
+gives a specific one.
 
-Usage in a training script::
+Usage in a training script (:class:`mgrit.training.Trainer` tags its own phases and
+instruments the network's MGRIT solves)::
 
-    from mgrit.training.faults import fail_fast, phase, instrument_resnet
-    fail_fast(MPI.COMM_WORLD)              # first thing after MPI is up
-    instrument_resnet(resnet)              # tags forward relaxation / coarse solve / adjoint
+    fail_fast(MPI.COMM_WORLD, log_dir=run_dir)   # first thing after MPI is up
+    trainer = Trainer(net, optimizer, grid)
     for ...:
-        with phase("data loading"):
+        with phase("data loading", hint="check the files in DIR"):
             xb, yb = next(batches)
-        loss = net.loss(net(xb), yb); loss.backward()
-        with phase("gradient averaging"):
-            average_gradients(params, grid.data_comm)
+        trainer.step(xb, yb)
 """
 from __future__ import annotations
 
@@ -49,15 +53,34 @@ import traceback
 
 from mpi4py import MPI
 
-__all__ = ["PHASES", "phase", "current_phase", "fail_fast", "maybe_inject", "InjectedFault",
-           "instrument_resnet", "instrument_solver", "ENV"]
+__all__ = ["PHASES", "HINTS", "phase", "current_phase", "fail_fast", "failure_line", "maybe_inject",
+           "InjectedFault", "instrument_resnet", "instrument_solver", "abort_quietly", "set_log_dir",
+           "ENV"]
 
 ENV = "LAYERPAR_INJECT_FAULT"
 PHASES = ("forward relaxation", "coarse solve", "adjoint", "data loading", "gradient averaging",
-          "checkpoint")
+          "evaluation", "checkpoint", "run directory", "model setup")
+
+_DIVERGED = ("if it is a NaN/Inf: lower the learning rate, iterate MGRIT to a tolerance (exact "
+             "mode) or use the convergence guard")
+#: What to do, per phase (shown in the one-line report).
+HINTS = {
+    "forward relaxation": f"a step module or the forward MGRIT solve failed; {_DIVERGED}",
+    "coarse solve": f"the coarse-grid MGRIT solve failed; {_DIVERGED}",
+    "adjoint": f"the adjoint (backward) MGRIT solve failed; {_DIVERGED}",
+    "data loading": "check that the data set files exist, are complete and in the expected "
+                    "format",
+    "gradient averaging": "the replicas disagree (parameters changed shape, dtype or device?)",
+    "evaluation": "the test-set forward failed: check the test data",
+    "checkpoint": "check the path and free disk space; resume with the model, optimizer and data "
+                  "of the run that wrote the checkpoint",
+    "run directory": "choose a writable run directory",
+    "model setup": "check the network flags against the data set",
+}
 
 _stack = threading.local()
 _entries: dict = {}
+_config = {"log_dir": None, "debug": False, "print_traceback": None}
 
 
 class InjectedFault(RuntimeError):
@@ -107,29 +130,32 @@ def maybe_inject(name: str) -> None:
                                 f"at t={time.time():.3f}")
 
 
-def _tag(exc: BaseException, name: str) -> None:
+def _tag(exc: BaseException, name: str, hint: str | None = None) -> None:
+    if not hasattr(exc, "__dict__"):  # exotic exception types without attributes: untagged
+        return
+    if hint and getattr(exc, "layerpar_hint", None) is None:
+        exc.layerpar_hint = hint
     if getattr(exc, "layerpar_phase", None) is not None:
         return
     rank = _world_rank()
-    try:
-        exc.layerpar_rank, exc.layerpar_phase = rank, name
-        exc.add_note(f"rank {rank} failed in phase {name}")
-    except (AttributeError, TypeError):  # exotic exception types without __dict__
-        pass
+    exc.layerpar_rank, exc.layerpar_phase = rank, name
+    exc.add_note(f"rank {rank} failed in phase {name}")
 
 
 class phase(contextlib.ContextDecorator):
     """Tag exceptions raised inside with the rank and phase ``name`` (see module doc); checks
     the fault injector on entry. Usable as ``with phase("data loading"):`` or ``@phase("x")``.
+    ``hint``: what the user should do if this phase fails (default ``HINTS[name]``);
+    the innermost hint wins.
 
     Raises:
         ValueError: an empty or non-string name.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, hint: str | None = None):
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"phase name {name!r} is not allowed: use a non-empty string")
-        self.name = name
+        self.name, self.hint = name, hint
 
     def __enter__(self):
         st = getattr(_stack, "names", None)
@@ -139,7 +165,7 @@ class phase(contextlib.ContextDecorator):
         try:
             maybe_inject(self.name)
         except BaseException as exc:
-            _tag(exc, self.name)
+            _tag(exc, self.name, self.hint)
             st.pop()
             raise
         return self
@@ -147,49 +173,136 @@ class phase(contextlib.ContextDecorator):
     def __exit__(self, exc_type, exc, tb):
         _stack.names.pop()
         if exc is not None:
-            _tag(exc, self.name)
+            _tag(exc, self.name, self.hint)
         return False
 
 
-def _message(exc_type, exc) -> str:
+def _hint(exc: BaseException) -> str | None:
+    if isinstance(exc, InjectedFault):
+        return f"the fault was injected by ${ENV} (fault-injection tests): unset it"
+    hint = getattr(exc, "layerpar_hint", None)
+    if hint:
+        return hint
+    if isinstance(exc, MemoryError):
+        return "reduce the batch size or the network size"
+    name = getattr(exc, "layerpar_phase", None)
+    return HINTS.get(name) if name else None
+
+
+def failure_line(exc: BaseException, log_file: str | None = None) -> str:
+    """The one-line report of ``exc``: ``rank R failed in phase P: Type: message`` (or
+    ``rank R failed outside a tagged phase: ...``), ``| what to do: HINT`` when known and
+    ``| traceback: FILE`` when one was written. Newlines of the message become spaces."""
     rank = getattr(exc, "layerpar_rank", None)
     rank = _world_rank() if rank is None else rank
-    name = getattr(exc, "layerpar_phase", None) or "unknown phase"
-    return f"rank {rank} failed in phase {name}: {exc_type.__name__}: {exc}\n"
+    name = getattr(exc, "layerpar_phase", None)
+    where = f"in phase {name}" if name else "outside a tagged phase"
+    text = " ".join(str(exc).split()) or "(no message)"
+    line = f"rank {rank} failed {where}: {type(exc).__name__}: {text}"
+    hint = _hint(exc)
+    if hint:
+        line += f" | what to do: {hint}"
+    if log_file:
+        line += f" | traceback: {log_file}"
+    return line
 
 
-def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1) -> None:
+def _write_log(exc_type, exc, tb, rank: int) -> tuple[str | None, str | None]:
+    """Full traceback to ``LOG_DIR/error-rank-R.log``: (path, None) or (None, why not)."""
+    log_dir = _config["log_dir"]
+    if not log_dir:
+        return None, None
+    path = os.path.join(os.fspath(log_dir), f"error-rank-{rank}.log")
+    try:
+        with open(path, "w") as fh:
+            traceback.print_exception(exc_type, exc, tb, file=fh)
+    except OSError as err:
+        return None, f"could not write {path}: {err}"
+    return path, None
+
+
+def _report_and_abort(comm, exit_code, exc_type, exc, tb) -> None:
+    try:
+        rank = _world_rank()
+        log_file, log_error = _write_log(exc_type, exc, tb, rank)
+        if rank != 0:
+            # an error raised on every rank is reported once: rank 0 aborts the job first
+            time.sleep(0.5)
+        line = failure_line(exc, log_file)
+        if log_error:
+            line += f" ({log_error})"
+        show_tb = _config["print_traceback"]
+        if show_tb is None:
+            show_tb = _config["debug"] or not log_file
+        sys.stdout.flush()
+        sys.stderr.write(line + "\n")
+        if show_tb:
+            traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
+        sys.stderr.flush()
+        # let the launcher's proxy forward the message before the abort kills the job
+        # (MPICH's hydra was seen to drop the stdio of an aborting job, rarely, under load)
+        time.sleep(0.2)
+        _silence_stderr()  # MPI_Abort's own banner repeats what the line says
+    finally:
+        comm.Abort(exit_code)
+
+
+def _silence_stderr() -> None:
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def abort_quietly(comm: MPI.Comm | None = None, exit_code: int = 1) -> None:
+    """Flush stdout/stderr, then ``MPI_Abort(exit_code)`` without MPI's banner (e.g. after a
+    command-line error was printed once by rank 0)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _silence_stderr()
+    comm.Abort(exit_code)
+
+
+def set_log_dir(log_dir) -> None:
+    """Where :func:`fail_fast` keeps tracebacks from now on (``error-rank-R.log``; None: no
+    file). Installs nothing by itself."""
+    _config["log_dir"] = log_dir
+
+
+def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1, *, log_dir=None,
+              debug: bool | None = None, print_traceback: bool | None = None) -> None:
     """Make an uncaught exception on any rank end the whole job (``MPI_Abort`` on ``comm``,
-    default ``COMM_WORLD``) after printing ``rank R failed in phase P: Type: message`` and the
-    traceback to stderr. Covers the main thread (``sys.excepthook``) and other threads
-    (``threading.excepthook``, e.g. data-loading threads). Safe to call more than once;
-    harmless under ``python -m mpi4py`` (which would abort too, but without the phase line).
+    default ``COMM_WORLD``) after one line per failure (see :func:`failure_line`). Covers the
+    main thread (``sys.excepthook``) and other threads (``threading.excepthook``). Harmless
+    under ``python -m mpi4py`` (which would abort too, but with a traceback per rank).
+
+    Calling it again (e.g. once the run directory exists) updates the settings:
+
+    Args:
+        log_dir: folder for ``error-rank-R.log`` (the full traceback of rank R); None: none.
+        debug: also print the traceback (default False).
+        print_traceback: force the traceback on (True) or off (False); default None = print
+            it when ``debug`` or when there is no log file to keep it.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    if log_dir is not None:
+        _config["log_dir"] = log_dir
+    if debug is not None:
+        _config["debug"] = bool(debug)
+    if print_traceback is not None:
+        _config["print_traceback"] = bool(print_traceback)
     if getattr(sys.excepthook, "_layerpar_fail_fast", False):
         return
-
-    def report_and_abort(exc_type, exc, tb):
-        try:
-            sys.stderr.write(_message(exc_type, exc))
-            traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            # let the launcher's proxy forward the message before the abort kills the job
-            # (MPICH's hydra was seen to drop the stdio of an aborting job, rarely, under load)
-            time.sleep(0.2)
-        finally:
-            comm.Abort(exit_code)
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, SystemExit) and exc.code in (None, 0):
             return
-        report_and_abort(exc_type, exc, tb)
+        _report_and_abort(comm, exit_code, exc_type, exc, tb)
 
     def thread_hook(args):
         if args.exc_type is SystemExit:
             return
-        report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
+        _report_and_abort(comm, exit_code, args.exc_type, args.exc_value, args.exc_traceback)
 
     hook._layerpar_fail_fast = True
     sys.excepthook = hook

@@ -1,26 +1,30 @@
 """Convergence guard for layer-parallel training: non-finite values and residual growth.
 
-* Non-finite values: the solver already raises ``FloatingPointError`` on a NaN/Inf residual
-  (``MGRITOptions.check_finite``); :meth:`ConvergenceGuard.check` also raises one naming the
-  solver, step and iteration if a non-finite residual slips through (``check_finite=False``),
-  and :func:`check_finite_states` names the first global layer whose state (or adjoint) is not
-  finite (one tiny allgather, so every rank raises the same message).
+* Non-finite values: the solver raises ``FloatingPointError`` on a NaN/Inf residual
+  (``MGRITOptions.check_finite``); :func:`name_nonfinite` turns it into one naming the first
+  global layer whose state (or adjoint) is not finite (the training loop does this for every
+  step), :meth:`ConvergenceGuard.check` raises one naming the solver, step and iteration if a
+  non-finite residual slips through (``check_finite=False``), and :func:`check_finite_states`
+  names the first bad layer of a result (one tiny allgather, so every rank raises the same
+  message).
 * Residual growth: convergence factors ``r_{k+1}/r_k`` are collected per solver (``"forward"``,
   ``"backward"``) across cycles and steps; when the last ``window`` factors all exceed
   ``threshold``, the configured action is taken: ``"warn"`` (a warning), ``"add_iterations"``
   (raise that solver's ``max_iter`` by ``extra_per_trigger``, at most ``max_extra`` in total;
   afterwards it only warns) or ``"serial"`` (exact sequential propagation, ``max_levels=1``,
   forward and backward, for the rest of the run). Residual histories are identical on every
-  rank, so every rank takes the same decision without communicating. Each decision is
-  appended as one JSON line to ``log_path`` (written by rank 0 of ``COMM_WORLD`` only).
+  rank of a layer communicator; as a training-loop callback the decisions of the data-parallel
+  replicas are also agreed (the most severe wins), so every rank takes the same decision.
+  Each decision is appended as one JSON line to ``log_path`` by rank 0 of the job (the
+  trainer's grid) or of the resnet's communicator.
 
-Usage::
+Usage, as a callback of :class:`mgrit.training.Trainer` (``on_after_backward``)::
 
     guard = ConvergenceGuard(window=3, threshold=1.0, action="serial",
                              log_path=os.path.join(run_dir, "guard.jsonl"))
-    ...
-    loss.backward()
-    guard.check_resnet(resnet, step)   # checks last_forward and last_backward, applies action
+    trainer = Trainer(net, optimizer, grid, callbacks=[guard])
+
+or in a hand-written loop, after ``loss.backward()``: ``guard.check_resnet(resnet, step)``.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 import warnings
 from collections import deque
@@ -35,9 +40,13 @@ from collections import deque
 import torch
 from mpi4py import MPI
 
-__all__ = ["ConvergenceGuard", "apply_action", "check_finite_states", "ACTIONS", "DivergenceWarning"]
+from .nets import replace_solver, segments, solver_states
+
+__all__ = ["ConvergenceGuard", "apply_action", "check_finite_states", "name_nonfinite", "ACTIONS",
+           "DivergenceWarning"]
 
 ACTIONS = ("warn", "add_iterations", "serial")
+_SEVERITY = {None: 0, "warn": 1, "add_iterations": 2, "serial": 3}
 
 
 class DivergenceWarning(RuntimeWarning):
@@ -46,25 +55,6 @@ class DivergenceWarning(RuntimeWarning):
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _replace_solver(resnet, which: str, options) -> None:
-    """Rebuild ``resnet._fsolver`` or ``resnet._bsolver`` with ``options`` (no communication:
-    only the local hierarchy is recomputed). Keeps accumulated stats and phase tags."""
-    from ..solver import MGRIT
-
-    old = resnet._fsolver if which == "forward" else resnet._bsolver
-    new = MGRIT(old.propagator, resnet.n_layers, dtype=old.dtype, device=old.device,
-                options=options, comm=old.comm, partition=old.partition)
-    new.stats = old.stats
-    if which == "forward":
-        resnet._fsolver, resnet.fwd_opts = new, options
-    else:
-        resnet._bsolver, resnet.bwd_opts = new, options
-    phases = getattr(old, "_layerpar_phases", None)
-    if phases is not None:
-        from .faults import instrument_solver
-        instrument_solver(new, *phases)
 
 
 def apply_action(resnet, action: str, solver: str = "forward", extra: int = 1) -> dict:
@@ -89,13 +79,13 @@ def apply_action(resnet, action: str, solver: str = "forward", extra: int = 1) -
     if action == "add_iterations":
         opts = resnet.fwd_opts if solver == "forward" else resnet.bwd_opts
         new = dataclasses.replace(opts, max_iter=opts.max_iter + int(extra))
-        _replace_solver(resnet, solver, new)
+        replace_solver(resnet, solver, new)
         return {"solver": solver, "max_iter": [opts.max_iter, new.max_iter]}
     changed = {}
     for which in ("forward", "backward"):
         opts = resnet.fwd_opts if which == "forward" else resnet.bwd_opts
         if opts.max_levels != 1:
-            _replace_solver(resnet, which, dataclasses.replace(opts, max_levels=1))
+            replace_solver(resnet, which, dataclasses.replace(opts, max_levels=1))
             changed[which] = {"max_levels": [opts.max_levels, 1]}
     return changed
 
@@ -127,6 +117,34 @@ def check_finite_states(result, solver_name: str, step: int, comm: MPI.Comm | No
         what = f"state x_{k} (input of layer {k})"
     raise FloatingPointError(f"{solver_name} MGRIT solve at step {step}, iteration "
                              f"{result.iterations}: {what} contains NaN or Inf")
+
+
+def name_nonfinite(net, which: str, step: int, exc: FloatingPointError):
+    """After an MGRIT solve (``which``: ``"forward"``/``"backward"``) of ``net`` raised
+    ``exc`` (a NaN/Inf residual: every layer rank raises at the same cycle), a
+    ``FloatingPointError`` naming the first global layer whose state (or adjoint) is not
+    finite, with ``exc``'s text appended; ``None`` if every state is finite or ``net`` is
+    serial. Collective over the layer communicator (one small allgather per segment)."""
+    segs = segments(net)
+    m = re.search(r"after cycle (\d+)", str(exc))
+    for k, seg in enumerate(segs):
+        cur = solver_states(seg, which)
+        if cur is None:
+            continue
+        partial = _Partial(cur[0], cur[1], int(m.group(1)) if m else "?")
+        name = which if len(segs) == 1 else f"{which} (segment {k + 1}/{len(segs)})"
+        try:
+            check_finite_states(partial, name, step, seg.comm, seg.n_layers)
+        except FloatingPointError as named:
+            return FloatingPointError(f"{named} ({exc})")
+    return None
+
+
+class _Partial:
+    """The fields of an MGRITResult that :func:`check_finite_states` reads."""
+
+    def __init__(self, states, lo, iterations):
+        self.states, self.lo, self.iterations = states, lo, iterations
 
 
 class ConvergenceGuard:
@@ -172,10 +190,11 @@ class ConvergenceGuard:
         self.extra_used: dict[str, int] = {}
         self.serial = False
         self.events: list[dict] = []
+        self._writer = True  # this rank warns and writes log_path (set by check_resnet)
 
     def _log(self, event: dict) -> None:
         self.events.append(event)
-        if self.log_path and MPI.COMM_WORLD.Get_rank() == 0:
+        if self.log_path and self._writer:
             os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
             with open(self.log_path, "a") as fh:
                 fh.write(json.dumps(event) + "\n")
@@ -213,38 +232,77 @@ class ConvergenceGuard:
                    "factors": factors, "residuals": res, "window": self.window,
                    "threshold": self.threshold, "action": action,
                    "configured_action": self.action})
-        warnings.warn(f"{solver_name} MGRIT residuals grew over {self.window} cycles at step "
-                      f"{step} (factors {['%.3g' % f for f in factors]}): action {action}",
-                      DivergenceWarning, stacklevel=2)
+        if self._writer:  # one warning per job, not one per rank
+            warnings.warn(f"{solver_name} MGRIT residuals grew over {self.window} cycles at "
+                          f"step {step} (factors {['%.3g' % f for f in factors]}): action "
+                          f"{action}", DivergenceWarning, stacklevel=2)
         return action
 
-    def apply(self, resnet, action: str | None, solver_name: str, step: int) -> None:
-        """Apply a decision of :meth:`check` to ``resnet`` and log what changed."""
+    def apply(self, resnet, action: str | None, solver_name: str, step: int,
+              key: str | None = None) -> None:
+        """Apply a decision of :meth:`check` to ``resnet``'s ``solver_name`` (``"forward"``
+        or ``"backward"``) and log what changed; ``key``: the name the decision was recorded
+        under in :meth:`check` (default ``solver_name``)."""
         if action is None or action == "warn":
             return
+        key = key or solver_name
         change = apply_action(resnet, action, solver_name, self.extra_per_trigger)
         if action == "add_iterations":
-            self.extra_used[solver_name] = self.extra_used.get(solver_name, 0) + self.extra_per_trigger
+            self.extra_used[key] = self.extra_used.get(key, 0) + self.extra_per_trigger
         if action == "serial":
             self.serial = True
             self._factors.clear()
-        self._log({"time": time.time(), "step": step, "solver": solver_name,
+        self._log({"time": time.time(), "step": step, "solver": key,
                    "applied": action, "change": change})
 
-    def check_resnet(self, resnet, step: int) -> list:
+    def check_resnet(self, resnet, step: int, data_comm: MPI.Comm | None = None,
+                     writer: bool | None = None, results: tuple | None = None,
+                     prefix: str = "") -> list:
         """Check ``resnet.last_forward`` and ``resnet.last_backward`` (after ``backward()``),
-        apply the decided actions, and return them (``[]`` when nothing happened)."""
-        done = []
-        for name, result in (("forward", resnet.last_forward), ("backward", resnet.last_backward)):
+        apply the decided actions, and return them (``[(solver, action)]``, ``[]`` when
+        nothing happened).
+
+        Args:
+            data_comm: the data-parallel communicator, if the replicas must agree (the most
+                severe decision of any replica is applied on all; one small allgather).
+            writer: whether this rank writes ``log_path`` (default: rank 0 of ``resnet.comm``).
+            results: ``(forward, backward)`` results to check instead of the resnet's latest
+                (``(None, None)`` for a replica that skipped the step: it only joins the
+                agreement).
+            prefix: prepended to the solver names of the factor histories and the log
+                (distinguishes the segments of one network).
+        """
+        self._writer = resnet.comm.Get_rank() == 0 if writer is None else bool(writer)
+        if results is None:
+            results = (resnet.last_forward, resnet.last_backward)
+        decided = {}
+        for name, result in zip(("forward", "backward"), results):
+            decided[name] = None
             if result is None:
                 continue
             if self.check_states:
-                check_finite_states(result, name, step, resnet.comm, resnet.n_layers)
-            action = self.check(result, name, step)
+                check_finite_states(result, prefix + name, step, resnet.comm, resnet.n_layers)
+            decided[name] = self.check(result, prefix + name, step)
+        if data_comm is not None and data_comm.Get_size() > 1:
+            everyone = data_comm.allgather(decided)
+            decided = {k: max((d[k] for d in everyone), key=_SEVERITY.__getitem__) for k in decided}
+        done = []
+        for name, action in decided.items():
             if action is not None:
-                self.apply(resnet, action, name, step)
+                self.apply(resnet, action, name, step, key=prefix + name)
                 done.append((name, action))
         return done
+
+    # -- training-loop callback ----------------------------------------------------------
+    def on_after_backward(self, trainer, record) -> None:
+        """Check the step's MGRIT results, per segment (layer-parallel networks only; the
+        replicas agree; a replica with an empty shard only joins the agreement)."""
+        segs = segments(trainer.net)
+        for k, seg in enumerate(segs):
+            results = record.solves[k] if record.solves else (None, None)
+            prefix = "" if len(segs) == 1 else f"segment{k}."
+            self.check_resnet(seg, record.step, data_comm=trainer.grid.data_comm,
+                              writer=trainer.is_root, results=results, prefix=prefix)
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import h5py
 import numpy as np
 
 __all__ = ["run_metadata", "results_dir", "save_series", "markdown_table", "write_table",
@@ -77,8 +78,6 @@ def results_dir(study: str, base: str | os.PathLike | None = None) -> Path:
 def save_series(path: str | os.PathLike, series: Mapping[str, Sequence], meta: Mapping) -> None:
     """Write each series as a float/int dataset of ``path`` (HDF5, atomically) with ``meta``
     as attributes (non-scalar values JSON-encoded)."""
-    import h5py
-
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with h5py.File(tmp, "w") as f:
@@ -111,6 +110,7 @@ def write_table(path: str | os.PathLike, title: str, meta: Mapping, body: str) -
 def plot_lines(path: str | os.PathLike, curves: Mapping[str, tuple], xlabel: str, ylabel: str,
                title: str = "", logy: bool = False, logx: bool = False) -> None:
     """One PNG with a line per ``name -> (x, y)``."""
+    # matplotlib is imported here: it takes about a second and only the root rank plots
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,12 +1,14 @@
-"""A tiny layer-parallel training job with tagged phases, for fault injection.
+"""A tiny layer-parallel training job through the library loop, for fault injection.
 
 Run (with or without ``-m mpi4py``)::
 
     LAYERPAR_INJECT_FAULT="1:coarse solve" mpiexec -n 3 python tests/mpi_cases/fault_job.py
 
-Without injection it trains 3 steps and exits 0; with it, the selected rank raises in that
-phase and :func:`mgrit.training.faults.fail_fast` aborts the whole job (non-zero exit, message
-``rank R failed in phase P``).
+Without injection it trains 3 steps (:meth:`mgrit.training.Trainer.step`: every rank enters
+the phases forward relaxation, coarse solve, adjoint and gradient averaging; ``data loading``
+is tagged here) and exits 0; with it, the selected rank raises in that phase and
+:func:`mgrit.training.fail_fast` aborts the whole job (non-zero exit, one line
+``rank R failed in phase P: ...``). With 4 ranks the grid is 2 layer ranks x 2 replicas.
 """
 import os
 import sys
@@ -17,28 +19,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 
 from mpi4py import MPI  # noqa: E402
 
-from mgrit.training.faults import fail_fast, instrument_resnet, phase  # noqa: E402
+from mgrit.training import Trainer, fail_fast  # noqa: E402
+from mgrit.training.faults import phase  # noqa: E402
 
 
 def main():
     comm = MPI.COMM_WORLD
     fail_fast(comm)
+    # imported after fail_fast on purpose: a failing import is reported (and ends the job) too
     import torch
-    from tests.mpi_cases.reliability_cases import build, make_data, BATCH
-    net, opt = build(comm, "inexact")
-    instrument_resnet(net.resnet)
+    from mgrit.parallel import ProcessGrid
+    from tests.mpi_cases.reliability_cases import BATCH, build, make_data
+    grid = ProcessGrid(comm, data_parallel=2 if comm.Get_size() == 4 else 1)
+    net, opt = build(grid.layer_comm, "inexact")
+    trainer = Trainer(net, opt, grid)
     x, y = make_data()
     for step in range(3):
         with phase("data loading"):
             idx = torch.arange(step * BATCH, (step + 1) * BATCH)
             xb, yb = x[idx], y[idx]
-        opt.zero_grad()
-        loss = net.loss(net(xb), yb)
-        loss.backward()
-        with phase("gradient averaging"):
-            # stands in for data-parallel averaging (ranks hold different layers here)
-            comm.allreduce(sum(float(p.grad.sum()) for p in net.parameters() if p.grad is not None))
-        opt.step()
+        trainer.step(xb, yb)
     comm.Barrier()
     if comm.Get_rank() == 0:
         print("fault_job finished", flush=True)

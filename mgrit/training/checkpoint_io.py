@@ -1,0 +1,138 @@
+"""The checkpoint file: plain contents, atomic writes, loading that never runs code.
+
+A checkpoint holds only tensors and plain containers (dict, list, tuple, str, int, float,
+bool, None), so it loads with ``torch.load(weights_only=True)``: PyTorch's restricted
+unpickler, which rejects every other object before it is built. A crafted file (a pickle
+whose ``__reduce__`` runs a command) is reported as unsafe and nothing in it runs. RNG states
+are stored as tensors and lists (:func:`rng_state`), options as dicts.
+
+Writes are atomic: ``torch.save`` to ``PATH.tmp``, ``fsync``, ``os.replace`` onto ``PATH``,
+``fsync`` of the directory; a failed write removes ``PATH.tmp`` and leaves ``PATH`` as it was.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+
+import numpy as np
+import torch
+
+__all__ = ["FORMAT", "check_plain", "rng_state", "set_rng_state", "write_atomic", "read_file"]
+
+FORMAT = "layerpar-checkpoint-2"
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_plain(obj, where: str = "checkpoint") -> None:
+    """Raise TypeError naming the first value of ``obj`` that is not a tensor or a plain
+    container/scalar (such a value could not be loaded with ``weights_only=True``)."""
+    if type(obj) in _SCALARS or torch.is_tensor(obj):  # exact types: np.float64 would
+        return                                            # pickle as a numpy object
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; use str or int keys")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    raise TypeError(f"{where} is a {type(obj).__name__}: checkpoints hold only tensors, dicts, "
+                    f"lists, tuples, str, int, float, bool and None (convert it, e.g. a "
+                    f"dataclass with dataclasses.asdict)")
+
+
+def rng_state() -> dict:
+    """This process's torch (and CUDA), numpy and Python ``random`` states as tensors/lists."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    st = {"torch": torch.get_rng_state(),
+          "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                    "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+          "python": {"version": int(version), "state": list(internal), "gauss_next": gauss_next}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = list(torch.cuda.get_rng_state_all())
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    """Inverse of :func:`rng_state`."""
+    torch.set_rng_state(st["torch"])
+    n = st["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    p = st["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the rename durable. Some file systems refuse to open or fsync a directory
+    (``OSError``); the file itself is already synced then, so that case is accepted."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def _dump(obj, fh) -> None:
+    """Serialize ``obj`` into the open file (tests replace this to simulate slow writes)."""
+    torch.save(obj, fh)
+
+
+def write_atomic(path: str, obj) -> None:
+    """Write ``obj`` to ``path`` atomically (see module doc). On any failure ``PATH.tmp`` is
+    removed and the exception propagates; ``path`` is untouched."""
+    path = os.path.abspath(path)
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(tmp, "wb") as fh:
+            _dump(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of torch's WeightsUnpickler error (e.g. ``Unsupported global:
+    GLOBAL builtins.open was not an allowed global by default``)."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"WeightsUnpickler error: (.*?)(\. |$)", text)
+    return (m.group(1) if m else text)[:200]
+
+
+def read_file(path: str) -> tuple:
+    """``(checkpoint dict, None)`` or ``(None, (kind, message))`` with kind ``"missing"`` or
+    ``"bad"``. Loads with ``weights_only=True``: nothing in the file is executed."""
+    if not os.path.exists(path):
+        return None, ("missing", f"checkpoint {path!r} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        return None, ("bad", f"checkpoint {path!r} was refused by torch's weights-only loader "
+                             f"({_reason(exc)}): it is damaged, not a checkpoint, or holds "
+                             f"objects other than tensors and plain containers (which could run "
+                             f"code); nothing in it was loaded or run")
+    except Exception as exc:  # noqa: BLE001 - any other failure of torch.load is a bad file
+        return None, ("bad", f"checkpoint {path!r} is not readable ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:300]})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        got = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        return None, ("bad", f"checkpoint {path!r} is not a {FORMAT} file (found {got!r})")
+    return ckpt, None

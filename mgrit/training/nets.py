@@ -1,0 +1,214 @@
+"""One interface for every network the training loop and the checkpoints handle.
+
+A :class:`~mgrit.nn.LayerParallelNet` already has it: ``is_last``, ``loss(out, target, fn)``,
+``from_last(value)`` and ``comm`` (its layer communicator). A serial ``nn.Module`` (e.g. the
+``nn.Sequential`` reference) gets it from the thin adapter :class:`SerialNet`, so the loop
+has no branch on the kind of network.
+
+Global keys (:func:`blocks`) are those of ``LayerParallelNet.to_serial().state_dict()``
+(``"0.*"`` opening, ``"{1+k}.F.*"`` residual layer ``k``, ``"{N+1}.*"`` closing), and a serial
+module's own state-dict keys: the main job's serial network and its layer-parallel network
+share them, so a checkpoint of one loads into the other and into any partition.
+
+The MGRIT views (per segment: solver results, warm-start states, options, counters) are the
+functions below; they return empty lists / do nothing for serial networks. They are the only
+place in :mod:`mgrit.training` that reads private attributes of the nn classes
+(``LayerParallelNet._local_modules``, ``LayerParallelResNet._fsolver/_bsolver/_warm``); each
+says which public accessor would replace it.
+
+Depends on torch, mpi4py, the solver, :mod:`mgrit.nn` and :mod:`mgrit.training.faults`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.nn import functional as F
+
+from ..nn import LayerParallelNet, LayerParallelResNet
+from ..solver import MGRIT
+from .faults import instrument_resnet, instrument_solver
+
+__all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",
+           "exact_tolerance", "describe_solvers", "solver_summary", "warm_states",
+           "set_warm_states", "owned_points", "replace_solver", "solver_states", "instrument",
+           "net_meta"]
+
+
+class SerialNet(nn.Module):
+    """Adapter giving a serial module the interface of :class:`~mgrit.nn.LayerParallelNet`:
+    ``is_first = is_last = True``, ``loss(out, target, fn) = fn(out, target)``,
+    ``from_last(v) = v``, ``comm = COMM_SELF``. Parameters are those of ``module`` (same order).
+    """
+
+    is_first = True
+    is_last = True
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.comm = MPI.COMM_SELF
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor,
+             fn: Callable = F.cross_entropy) -> torch.Tensor:
+        return fn(out, target)
+
+    def from_last(self, value):
+        return value
+
+
+def as_net(net: nn.Module) -> nn.Module:
+    """``net`` itself if it has the LayerParallelNet interface, else ``SerialNet(net)``.
+
+    Raises:
+        TypeError: ``net`` is not an ``nn.Module``, or a bare LayerParallelResNet (wrap it in
+            ``LayerParallelNet(opening, resnet, closing)``, which provides the loss on the last
+            layer rank).
+    """
+    if isinstance(net, LayerParallelResNet):
+        raise TypeError("a bare LayerParallelResNet cannot be trained directly: wrap it in "
+                        "mgrit.nn.LayerParallelNet(opening, resnet, closing)")
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    if all(hasattr(type(net), a) for a in ("is_last", "loss", "from_last")):
+        return net
+    return SerialNet(net)
+
+
+def blocks(net: nn.Module) -> list:
+    """This rank's ``(global key prefix, module)`` pairs (see module doc); keys do not depend
+    on the partition, so checkpoints re-partition by key."""
+    if isinstance(net, LayerParallelNet):
+        # wanted: a public LayerParallelNet.named_global_modules()
+        return [(f"{i}.F." if h is not None else f"{i}.", m) for i, m, h in net._local_modules()]
+    if isinstance(net, SerialNet):
+        return [("", net.module)]
+    return [("", net)]
+
+
+def segments(net: nn.Module) -> list:
+    """The LayerParallelResNet segments of ``net`` (empty for serial networks)."""
+    return list(net.segments) if isinstance(net, LayerParallelNet) else []
+
+
+def net_meta(net: nn.Module) -> dict:
+    """Plain description saved in checkpoints (kind, layers per segment, state shapes)."""
+    segs = segments(net)
+    if not segs:
+        return {"kind": "serial"}
+    return {"kind": "layer-parallel", "n_layers": [int(s.n_layers) for s in segs],
+            "state_shape": [[int(d) for d in s.state_shape] for s in segs]}
+
+
+def solver_results(net: nn.Module) -> list:
+    """``[(forward, backward)]`` MGRITResults of the latest solves, one pair per segment."""
+    return [(s.last_forward, s.last_backward) for s in segments(net)]
+
+
+def solver_options(net: nn.Module) -> list:
+    """``[(forward, backward)]`` MGRITOptions in use, one pair per segment."""
+    return [(s.fwd_opts, s.bwd_opts) for s in segments(net)]
+
+
+def exact_tolerance(net: nn.Module) -> float | None:
+    """The forward tolerance when every segment iterates MGRIT to one (exact mode), else None."""
+    tols = []
+    for fwd, _ in solver_options(net):
+        if fwd.tol == 0 and fwd.rtol == 0:
+            return None
+        tols.append(fwd.tol if fwd.tol > 0 else fwd.rtol)
+    return max(tols) if tols else None
+
+
+def _solvers(seg) -> tuple:
+    # wanted: public LayerParallelResNet.forward_solver / backward_solver
+    return seg._fsolver, seg._bsolver
+
+
+def describe_solvers(net: nn.Module) -> list:
+    """One line per MGRIT solver: levels, intervals per level, relaxation, mode."""
+    segs = segments(net)
+    lines = []
+    for k, seg in enumerate(segs):
+        where = f" (segment {k + 1}/{len(segs)})" if len(segs) > 1 else ""
+        for name, s in zip(("forward", "adjoint"), _solvers(seg)):
+            lv, o = s.hierarchy.levels, s.options
+            mode = (f"tol {o.tol:g} (exact mode, <= {o.max_iter} cycles)" if o.tol > 0
+                    else f"{o.max_iter} cycle(s) (inexact)")
+            lines.append(f"MGRIT {name}{where}: {len(lv)} level(s), intervals per level "
+                         f"{[x.n_intervals for x in lv]}, relax {o.relax}, {mode}")
+    return lines
+
+
+def solver_summary(net: nn.Module) -> str | None:
+    """Counters of this rank's forward solver(s) over all solves (None for serial nets)."""
+    segs = segments(net)
+    if not segs:
+        return None
+    return " || ".join(_solvers(s)[0].stats.summary() for s in segs)
+
+
+def owned_points(net: nn.Module) -> list:
+    """``[(lo, hi)]``: fine points of this rank's forward solver, per segment."""
+    out = []
+    for seg in segments(net):
+        lv = _solvers(seg)[0].hierarchy.levels[0]
+        out.append((lv.lo, lv.hi))
+    return out
+
+
+def warm_states(net: nn.Module) -> list:
+    """Per segment: ``{fine point: state}`` of this rank's forward warm start, or None."""
+    # wanted: public LayerParallelResNet.warm_state() / set_warm_state()
+    out = []
+    for seg, (lo, _) in zip(segments(net), owned_points(net)):
+        w = seg._warm
+        out.append(None if w is None else {lo + i: w[i].detach().cpu().clone()
+                                           for i in range(w.shape[0])})
+    return out
+
+
+def set_warm_states(net: nn.Module, states: list) -> None:
+    """Set (or clear, with None entries) each segment's forward warm-start states (tensors
+    with one row per owned fine point)."""
+    for seg, w in zip(segments(net), states):
+        seg._warm = None if w is None else w.to(device=seg.device, dtype=seg.dtype)
+
+
+def replace_solver(resnet: LayerParallelResNet, which: str, options) -> None:
+    """Rebuild the ``"forward"`` or ``"backward"`` MGRIT solver of ``resnet`` with ``options``
+    (no communication: only the local hierarchy is recomputed). Keeps the accumulated
+    counters and the phase tags. (Wanted: a public ``LayerParallelResNet.set_options``.)"""
+    if which not in ("forward", "backward"):
+        raise ValueError(f"which={which!r} is not allowed: use 'forward' or 'backward'")
+    old = resnet._fsolver if which == "forward" else resnet._bsolver
+    new = MGRIT(old.propagator, resnet.n_layers, dtype=old.dtype, device=old.device,
+                options=options, comm=old.comm, partition=old.partition)
+    new.stats = old.stats
+    if which == "forward":
+        resnet._fsolver, resnet.fwd_opts = new, options
+    else:
+        resnet._bsolver, resnet.bwd_opts = new, options
+    phases = getattr(old, "_layerpar_phases", None)
+    if phases is not None:
+        instrument_solver(new, *phases)
+
+
+def solver_states(seg: LayerParallelResNet, which: str) -> tuple | None:
+    """``(states, lo)``: the current fine-level states of ``seg``'s ``"forward"`` or
+    ``"backward"`` solver, also after the solve raised (NaN/Inf residual); None before any
+    solve. Wanted instead: the partial MGRITResult attached to the solver's exception."""
+    st = getattr(_solvers(seg)[0 if which == "forward" else 1], "_st", None)
+    return (st[0].u, st[0].lv.lo) if st else None
+
+
+def instrument(net: nn.Module) -> None:
+    """Phase tags on the MGRIT solves of every segment (see
+    :func:`mgrit.training.faults.instrument_resnet`); no-op for serial networks."""
+    for seg in segments(net):
+        instrument_resnet(seg)

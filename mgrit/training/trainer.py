@@ -1,0 +1,336 @@
+"""The training loop: :class:`Trainer` -- one step (:meth:`Trainer.step`), evaluation, and
+:meth:`Trainer.fit` (epochs with checkpoint/resume and callbacks), the same code for a
+:class:`~mgrit.nn.LayerParallelNet` and a serial ``nn.Module``."""
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..parallel import GradientBuckets, ProcessGrid
+from .callbacks import check_callbacks
+from .checkpoint import load_checkpoint, save_checkpoint
+from .epoch import EpochAccumulator, UnconvergedWarning
+from .faults import phase
+from .guard import name_nonfinite
+from .nets import (as_net, describe_solvers, exact_tolerance, instrument, solver_results,
+                   solver_summary)
+from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
+from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
+
+__all__ = ["Trainer"]
+
+
+def _positive_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise ValueError(f"{name}={v!r} is not allowed: use an int >= {minimum}")
+    return int(v)
+
+
+class Trainer:
+    """Train ``net`` with ``optimizer`` on the ranks of ``grid``.
+
+    One step (:meth:`step`): ``zero_grad``, forward, ``net.loss``, backward, the
+    ``on_after_backward`` hooks, data-parallel gradient averaging over ``grid.data_comm``
+    (:class:`~mgrit.parallel.GradientBuckets`, weighted by shard size), ``optimizer.step()``.
+    :meth:`fit` is a thin loop over steps with evaluation, checkpoints and hooks.
+
+    Args:
+        net: a :class:`~mgrit.nn.LayerParallelNet` built on ``grid.layer_comm``, or any serial
+            ``nn.Module`` (wrapped by :class:`~mgrit.training.nets.SerialNet`; then
+            ``grid.layer_size`` must be 1). Its MGRIT solves are phase-tagged for fault reports.
+        optimizer: the user's ``torch.optim.Optimizer`` over ``net``'s parameters on this rank
+            (schedulers stay with the user: step them in ``on_epoch_end``).
+        grid: :class:`~mgrit.parallel.ProcessGrid` (default: one process, ``COMM_SELF``).
+        loss: ``loss(output, target) -> mean loss`` (default ``F.cross_entropy``); evaluation
+            calls it with ``reduction="sum"`` when it accepts that keyword.
+        callbacks: objects with ``on_*`` hooks (see :mod:`mgrit.training.callbacks`).
+        checkpoint: file to save to (None: no checkpoints): at the end of every epoch and
+            every ``checkpoint_every`` optimizer steps (0: only per epoch).
+        eval_batch_size: batch size of the test-set evaluation (default 500).
+
+    Attributes:
+        net (the adapted network), optimizer, grid, callbacks, steps_done, history (per-epoch
+        metrics of the current fit), is_root (rank 0 of ``grid.comm``).
+
+    Raises:
+        TypeError: ``net`` not a module, ``optimizer`` not a ``torch.optim.Optimizer``, ``grid``
+            not a ProcessGrid, ``loss`` not callable. ValueError: a network whose layer
+            communicator does not match the grid, BatchNorm with data-parallel replicas (its
+            statistics would differ between replicas), bad callbacks or numbers. Raised on
+            every rank before any communication.
+    """
+
+    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer,
+                 grid: ProcessGrid | None = None, *, loss: Callable = F.cross_entropy,
+                 callbacks=None, checkpoint=None, checkpoint_every: int = 0,
+                 eval_batch_size: int = 500):
+        self.net = as_net(net)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (build it from the "
+                            f"network's parameters), got {type(optimizer).__name__}")
+        self.grid = ProcessGrid(MPI.COMM_SELF) if grid is None else grid
+        if not isinstance(self.grid, ProcessGrid):
+            raise TypeError(f"grid must be a mgrit.parallel.ProcessGrid, got {type(grid).__name__}")
+        if self.net.comm.Get_size() != self.grid.layer_size:
+            raise ValueError(f"the network spans {self.net.comm.Get_size()} layer rank(s) but the "
+                             f"grid has P_L={self.grid.layer_size}: build the network on "
+                             f"grid.layer_comm (a serial network needs P_L = 1)")
+        if self.grid.data_size > 1:
+            bn = [n for n, m in self.net.named_modules() if isinstance(m, _BatchNorm)]
+            if bn:  # every rank holds the same modules: the same verdict everywhere
+                raise ValueError(f"module {bn[0]!r} is a BatchNorm: with {self.grid.data_size} "
+                                 f"replicas its running statistics would differ between them "
+                                 f"(no synchronization in this loop); use data_parallel=1 or "
+                                 f"a network without BatchNorm")
+        if not callable(loss):
+            raise TypeError(f"loss must be callable (output, target) -> loss, got {loss!r}")
+        if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike))
+                                       or not os.fspath(checkpoint)):
+            raise ValueError(f"checkpoint={checkpoint!r} is not allowed: use a file path or None")
+        self.optimizer, self.loss_fn = optimizer, loss
+        self.callbacks = check_callbacks(callbacks)
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        self.checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
+        self.eval_batch_size = _positive_int("eval_batch_size", eval_batch_size)
+        try:
+            self._sum_reduction = "reduction" in inspect.signature(loss).parameters
+        except (TypeError, ValueError):  # builtins without a signature: use mean * count
+            self._sum_reduction = False
+        params = list(self.net.parameters())
+        self._dtype = next((p.dtype for p in params if p.is_floating_point()),
+                           torch.get_default_dtype())
+        # data-parallel: .grad tensors become views of persistent flat buffers
+        self.buckets = GradientBuckets(params, self.grid.data_comm) if self.grid.data_size > 1 \
+            else None
+        instrument(self.net)
+        self.is_root = self.grid.comm.Get_rank() == 0
+        self.steps_done = 0
+        self.history: dict = {}
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor, weight: float | None = None) -> StepRecord:
+        """One optimizer step on this replica's batch ``(x, y)`` (``x`` on every layer rank,
+        ``(batch, ...)``; ``y`` used on the last). A replica with an empty batch skips forward
+        and backward and joins the averaging with weight 0.
+
+        Args:
+            weight: this replica's share of the global batch (``len(y) / global size``); None:
+                computed with one tiny allreduce over the replicas (exact for any shard sizes).
+
+        Returns:
+            the :class:`StepRecord` (loss and accuracy of this replica's batch).
+        """
+        if self.buckets is not None and weight is None:
+            total = self.grid.data_comm.allreduce(len(y))
+            weight = len(y) / total if total else 0.0
+        return self._step(x, y, weight, None, None)
+
+    def _step(self, x, y, weight, epoch, batch) -> StepRecord:
+        n = len(y)
+        rec = StepRecord(step=self.steps_done, epoch=epoch, batch=batch, samples=n,
+                         weight=1.0 if weight is None else float(weight))
+        if self.buckets is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.buckets.zero_grad()
+        out = loss = None
+        if n:
+            out, loss = self._forward_backward(x, y)
+            rec.solves = solver_results(self.net)
+        self._call("on_after_backward", rec)
+        with phase("gradient averaging"):
+            if self.buckets is not None:
+                self.buckets.average(weight=rec.weight)
+        self.optimizer.step()
+        self.steps_done += 1
+        if n:
+            stats = None
+            if self.net.is_last:
+                with torch.no_grad():
+                    stats = [loss.item(), self._correct(out, y)]
+            rec.loss, rec.correct = self.net.from_last(stats)
+        self._call("on_step_end", rec)
+        return rec
+
+    def _forward_backward(self, x, y):
+        which = "forward"
+        try:
+            out = self.net(x)
+            loss = self.net.loss(out, y, self.loss_fn)
+            which = "backward"
+            loss.backward()
+        except FloatingPointError as exc:
+            named = name_nonfinite(self.net, which, self.steps_done, exc)
+            if named is None:
+                raise
+            with phase("forward relaxation" if which == "forward" else "adjoint"):
+                raise named from exc
+        return out, loss
+
+    @staticmethod
+    def _correct(out, y) -> int | None:
+        if out.dim() != 2 or y.dim() != 1 or y.is_floating_point():
+            return None
+        return (out.argmax(1) == y).sum().item()
+
+    def _call(self, hook: str, record) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, record)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, data) -> tuple:
+        """``(accuracy, mean loss)`` on ``data`` (a Split or ``(x, y)``), forward only, in eval
+        mode; the replicas split the samples. Collective over the grid."""
+        x, y = as_tensors(data, self._dtype, "test")
+        return self._evaluate(x, y)
+
+    def _evaluate(self, x, y) -> tuple:
+        idx = np.array_split(np.arange(len(y)), self.grid.data_size)[self.grid.data_rank]
+        tot = np.zeros(3)
+        was_training = self.net.training
+        self.net.eval()
+        with torch.no_grad(), phase("evaluation"):
+            for s in range(0, len(idx), self.eval_batch_size):
+                j = torch.as_tensor(idx[s:s + self.eval_batch_size])
+                out = self.net(x[j])
+                if self.net.is_last:
+                    yj = y[j]
+                    lsum = (self.loss_fn(out, yj, reduction="sum").item() if self._sum_reduction
+                            else self.loss_fn(out, yj).item() * len(yj))
+                    correct = self._correct(out, yj)
+                    tot += [lsum, np.nan if correct is None else correct, len(yj)]
+        self.net.train(was_training)
+        tot = self.grid.data_comm.allreduce(np.asarray(self.net.from_last(tot)))
+        return float(tot[1] / max(tot[2], 1)), float(tot[0] / max(tot[2], 1))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _callback_states(self) -> dict:
+        return {f"{i}:{type(cb).__name__}": cb.state_dict()
+                for i, cb in enumerate(self.callbacks) if hasattr(cb, "state_dict")}
+
+    def save(self, path, extra: dict | None = None) -> None:
+        """Save network, optimizer, RNG states, callback states and ``extra`` to ``path``
+        (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`)."""
+        save_checkpoint(path, self.net, self.optimizer, self.grid,
+                        extra={"steps": self.steps_done, **(extra or {})},
+                        rank_extra={"callbacks": self._callback_states()})
+
+    def load(self, path, expect: dict | None = None):
+        """Load a checkpoint of :meth:`save` (any grid); restores callback states and the
+        step count. Returns the :class:`~mgrit.training.checkpoint.LoadedCheckpoint`."""
+        loaded = load_checkpoint(path, self.net, self.optimizer, self.grid, expect=expect)
+        saved = loaded.rank_extra.get("callbacks", {})
+        for i, cb in enumerate(self.callbacks):
+            key = f"{i}:{type(cb).__name__}"
+            if hasattr(cb, "load_state_dict") and key in saved:
+                cb.load_state_dict(saved[key])
+        self.steps_done = int(loaded.extra.get("steps", 0))
+        return loaded
+
+    # -- fit --------------------------------------------------------------------------------
+    def fit(self, train, *, epochs: int, batch_size: int, seed: int = 0, test=None,
+            resume=None) -> FitResult:
+        """Train for ``epochs`` epochs over ``train`` (a :class:`data.Split` or ``(x, y)``:
+        inputs ``(n, *in_shape)`` converted to the network's dtype, targets ``(n,)``, e.g.
+        int64 labels; the same on every rank) in global batches of ``batch_size`` drawn with
+        ``seed`` (see
+        :mod:`mgrit.training.schedule`; every sample of every epoch is used), evaluating on
+        ``test`` before training and after every epoch. ``resume``: a checkpoint to continue
+        from (its data, batch size and seed must equal these; any grid). Collective.
+
+        Raises:
+            ValueError: bad arguments (every rank, before communicating), a checkpoint that
+                does not match; exceptions of the network, loss and callbacks propagate.
+        """
+        epochs = _positive_int("epochs", epochs)
+        batch_size = _positive_int("batch_size", batch_size)
+        seed = _positive_int("seed", seed, 0)
+        x, y = as_tensors(train, self._dtype, "train")
+        tx, ty = (None, None) if test is None else as_tensors(test, self._dtype, "test")
+        n, nb = len(y), batches_per_epoch(len(y), batch_size)
+        expect = {"training data": fingerprint(x, y), "batch size": batch_size, "seed": seed}
+        self.history = hist = {k: [] for k in HISTORY_KEYS}
+        if resume is not None:
+            start_epoch, start_batch, acc_state, notes, initial = self._resume(resume, expect)
+        else:
+            start_epoch = start_batch = 0
+            acc_state, notes = None, []
+            initial = (None, None) if tx is None else self._evaluate(tx, ty)
+        n_params = sum(p.numel() for p in self.net.parameters())
+        plan = FitPlan(epochs=epochs, batch_size=batch_size, seed=seed, n_train=n,
+                       n_test=0 if ty is None else len(ty), batches_per_epoch=nb,
+                       parameters=int(self.grid.layer_comm.allreduce(n_params)),
+                       start_epoch=start_epoch, start_batch=start_batch,
+                       initial_test_acc=initial[0], initial_test_loss=initial[1],
+                       resumed_from=None if resume is None else os.fspath(resume), notes=notes,
+                       solvers=describe_solvers(self.net))
+        self._call("on_fit_start", plan)
+        tol = exact_tolerance(self.net)
+        for epoch in range(start_epoch, epochs):
+            self.net.train()
+            acc = EpochAccumulator(acc_state if epoch == start_epoch else None)
+            t0 = time.perf_counter()
+            for b, (idx, glen) in enumerate(epoch_batches(n, batch_size, seed, epoch,
+                                                          self.grid.data_rank,
+                                                          self.grid.data_size)):
+                if epoch == start_epoch and b < start_batch:
+                    continue  # done before the checkpoint we resumed from
+                with phase("data loading"):
+                    j = torch.as_tensor(idx)
+                    xb, yb = x[j], y[j]
+                acc.add(self._step(xb, yb, len(idx) / glen, epoch, b), tol is not None)
+                if self.checkpoint and self.checkpoint_every \
+                        and self.steps_done % self.checkpoint_every == 0:
+                    self._save_fit(epoch, b + 1, acc, hist, expect, initial)
+            t_epoch = time.perf_counter() - t0
+            tot = self.grid.data_comm.allreduce(acc.totals())
+            t1 = time.perf_counter()
+            test_acc, test_loss = (None, None) if tx is None else self._evaluate(tx, ty)
+            t_eval = time.perf_counter() - t1
+            t_epoch = self.grid.comm.allreduce(t_epoch, op=MPI.MAX)  # the slowest rank's
+            rec = acc.record(epoch + 1, tot, test_acc, test_loss, t_epoch, t_eval, tol)
+            if rec.warnings and self.is_root:
+                for w in rec.warnings:
+                    warnings.warn(w, UnconvergedWarning, stacklevel=2)
+            for k, v in rec.metrics().items():
+                hist[k].append(v)
+            self._call("on_epoch_end", rec)
+            if self.checkpoint:
+                self._save_fit(epoch + 1, 0, EpochAccumulator(), hist, expect, initial)
+        final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
+        final["initial_test_acc"] = initial[0]
+        result = FitResult(history=hist, final=final, steps=self.steps_done, plan=plan,
+                           solver_stats=solver_summary(self.net))
+        self._call("on_fit_end", result)
+        return result
+
+    def _resume(self, path, expect: dict) -> tuple:
+        """Load ``path`` for :meth:`fit`: ``(start epoch, start batch, this replica's epoch
+        accumulator state, notes, initial test metrics)``; the history goes to
+        :attr:`history`."""
+        with phase("checkpoint"):
+            loaded = self.load(path, expect=expect)
+        extra = loaded.extra
+        for k in self.history:
+            self.history[k].extend(extra["history"].get(k, []))
+        pos = extra["position"]
+        return (int(pos[0]), int(pos[1]), EpochAccumulator.state_for(extra["accum"], self.grid),
+                list(loaded.notes), tuple(extra["initial"]))
+
+    def _save_fit(self, epoch, batch, acc, hist, expect, initial) -> None:
+        accum = self.grid.data_comm.allgather(acc.state())
+        self.save(self.checkpoint, {"position": [epoch, batch], "history": hist,
+                                    "accum": accum, "initial": list(initial), **expect})
+
