@@ -74,14 +74,16 @@ class _Recv(torch.autograd.Function):
 
 class _Join(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b):
-        ctx.b = (b.shape, b.dtype, b.device)
+    def forward(ctx, a, b, zero_b):
+        ctx.b = (b.shape, b.dtype, b.device) if zero_b else None
         return a.clone()  # not a view: the caller may modify it in place (e.g. ReLU(inplace))
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.b is None:  # b's producers still run (their gradient is undefined), b gets None
+            return grad, None, None
         shape, dtype, device = ctx.b
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        return grad, torch.zeros(shape, dtype=dtype, device=device), None
 
 
 def send(x: torch.Tensor, comm: MPI.Comm, dest: int, tag: int, stats: SolverStats) -> torch.Tensor:
@@ -103,7 +105,8 @@ def recv(link: torch.Tensor | None, comm: MPI.Comm, source: int, tag: int, shape
                        torch.device(device), stats)
 
 
-def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A copy of ``a`` that also depends on ``b`` (gradient ``0`` to ``b``), so that a backward
-    through the result runs the backward of ``b``'s producers too."""
-    return _Join.apply(a, b)
+def join(a: torch.Tensor, b: torch.Tensor, zero_b: bool = True) -> torch.Tensor:
+    """A copy of ``a`` that also depends on ``b`` (gradient ``0`` to ``b``, or none when
+    ``zero_b`` is false), so that a backward through the result runs the backward of ``b``'s
+    producers too."""
+    return _Join.apply(a, b, zero_b)

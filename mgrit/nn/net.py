@@ -191,8 +191,8 @@ class LayerParallelNet(nn.Module):
                 out = seg(cur, batch_size=B)
             else:
                 out = seg(None, batch_size=B)
-                if cur is not None and cur.requires_grad:
-                    out = join(out, cur)  # keeps everything before in this rank's graph
+                if cur is not None and cur.requires_grad:  # keeps everything before in this
+                    out = join(out, cur, zero_b=cur is not x)  # rank's graph; x gets no gradient
             cur, holder = out, last_rank(seg)
         return cur
 
