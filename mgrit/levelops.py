@@ -11,7 +11,11 @@ Concurrent relaxation: the F-intervals of a level owned by a rank are independen
 ``k``-th step of all of them is one call of ``Propagator.step_batch`` on a strided view of the
 state array (Kirby et al. 2020 ran them on separate CUDA streams; a batched kernel does the
 same on any device). The F-points before the first owned C-point depend on the left neighbour
-and are stepped afterwards, while that message is in flight.
+and are stepped afterwards, while that message is in flight. A propagator may also provide
+``step_batch_into(u, starts, stops, level, out)``, which writes exactly the values of
+``step_batch(u, starts, stops, level)`` into ``out`` (a strided view of the state array that
+shares no element with ``u``): F-relaxation then writes its batched steps in place, without a
+temporary and its copy (:class:`mgrit.nn.chains.ForwardChain` does).
 
 The level equations are FAS equations ``u_j = Phi(u_{j-1}) + g_j`` (``g = 0`` on the finest
 level, where ``g`` is ``None``); point 0 holds the initial value and is never updated.
@@ -42,14 +46,16 @@ def _sl(r: range, lo: int) -> slice:
 class LevelState:
     """States ``u`` (and FAS right-hand side ``g`` on coarse levels) of one rank on one level.
 
-    ``u`` has shape ``(hi - lo, *state_shape)``; ``cache`` keeps the last computed incoming
+    ``u`` has shape ``(hi - lo, *state_shape)``, zeros (``zero=False``: uninitialized, for a
+    caller that writes every row before it is read); ``cache`` keeps the last computed incoming
     steps ``Phi(u_{t-1})`` (reused by C-relaxation after a residual evaluation) and is cleared
     by every operation that changes ``u``.
     """
 
-    def __init__(self, level: Level, shape, dtype, device, with_rhs: bool):
+    def __init__(self, level: Level, shape, dtype, device, with_rhs: bool, zero: bool = True):
         self.lv = level
-        self.u = torch.zeros((level.n_local, *shape), dtype=dtype, device=device)
+        alloc = torch.zeros if zero else torch.empty  # empty: the caller fills what is read
+        self.u = alloc((level.n_local, *shape), dtype=dtype, device=device)
         self.g = torch.zeros_like(self.u) if with_rhs else None
         self.v = torch.zeros_like(self.u) if with_rhs else None  # restricted fine values
         self.cache: tuple | None = None
@@ -70,6 +76,7 @@ class LevelOps:
                  c_weight: float):
         self.prop, self.ex, self.stats = prop, ex, stats
         self.batched = batched and prop.batched
+        self._into = getattr(prop, "step_batch_into", None) if self.batched else None
         self.c_weight = c_weight
 
     # -- steps ---------------------------------------------------------------------------
@@ -98,6 +105,26 @@ class LevelOps:
             values = values + st.g[sl]
         st.u[sl] = values
 
+    def _advance(self, st: LevelState, sources: range) -> None:
+        """``u_{j+1} = Phi(u_j) (+ g_{j+1})`` for the owned points ``j`` in ``sources`` whose
+        successors are owned too: a batched call writes straight into the state array
+        (the propagator's ``step_batch_into``, see the module docstring; same values as
+        :meth:`phi` then :meth:`_set`)."""
+        lv = st.lv
+        targets = range(sources.start + 1, sources.stop + 1, sources.step)
+        if len(sources) == 1 or self._into is None:
+            self._set(st, targets, self.phi(st, sources))
+            return
+        s = lv.stride
+        self.stats.steps_batched_calls += 1
+        self.stats.steps_batched_items += len(sources)
+        a, b, c = sources.start, sources.stop, sources.step
+        out = st.u[_sl(targets, lv.lo)]
+        self._into(st.u[_sl(sources, lv.lo)], range(a * s, b * s, c * s),
+                   range((a + 1) * s, (b + 1) * s, c * s), lv.index, out)
+        if st.g is not None:
+            out += st.g[_sl(targets, lv.lo)]
+
     # -- relaxation ----------------------------------------------------------------------
     def f_relax(self, st: LevelState) -> None:
         """F-relaxation: ``u_j = Phi(u_{j-1}) + g_j`` for every owned F-point, interval by
@@ -119,11 +146,14 @@ class LevelOps:
             for k in range(1, m):
                 if first_c + k >= stop:
                     break
+                sources = range(first_c + k - 1, stop - 1, m)
+                if sources[-1] + 1 < hi:  # every target is owned: in place
+                    self._advance(st, sources)
+                    continue
                 targets = range(first_c + k, stop, m)
-                out = self.phi(st, range(first_c + k - 1, stop - 1, m))
-                if targets[-1] == hi:
-                    self.ex.isend(out[-1], lv.next, tag)
-                    targets, out = targets[:-1], out[:-1]
+                out = self.phi(st, sources)
+                self.ex.isend(out[-1], lv.next, tag)  # the step reaching hi: next rank's
+                targets, out = targets[:-1], out[:-1]
                 if len(targets):
                     self._set(st, targets, out)
         if recv:

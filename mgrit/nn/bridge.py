@@ -1,6 +1,6 @@
 """The autograd bridge of :class:`~mgrit.nn.resnet.LayerParallelResNet`: one forward solve is
-one autograd node (after TorchBraid's ``braid_function.py``), and the small collective that
-lets several of them be backpropagated safely.
+one autograd node (after TorchBraid's ``braid_function.py``) whose backward is the adjoint
+solve and the parameter-gradient sweep.
 
 What a backward needs from its forward belongs to that forward's node, never to the module:
 the forward states and the stacked parameters the solve used are saved tensors (freed after the
@@ -14,65 +14,158 @@ same nodes in the same order. The autograd engine runs, among ready nodes, the o
 (highest sequence number), and a node is ready only when every node built from its output has
 run; so of two forward nodes that one backward reaches, the later one always runs first, on
 every rank, whatever the rank-local parts of the graph look like. What the engine cannot see --
-ranks backpropagating *different* forwards -- :func:`agree_backward` turns into a RuntimeError
-on every rank (one small ``allgather`` per backward, skipped on one rank).
+ranks backpropagating *different* forwards -- :func:`mgrit.nn.agreement.agree_backward` turns
+into a RuntimeError on every rank (one small ``allgather`` per backward, skipped on one rank).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
-from mpi4py import MPI
 
-__all__ = ["MGRITFunction", "agree_backward"]
+from .agreement import agree_backward
+from .chains import AdjointChain
 
-_TAG = "LayerParallelResNet.backward"
+__all__ = ["MGRITFunction", "node_backward", "version_error"]
+
+_WHAT = "LayerParallelResNet"  # names the node in the agreement's messages and tag
+_version = operator.attrgetter("_version")
+
+
+def version_error(tensors, versions, names) -> str | None:
+    """Autograd's message when a tensor of ``tensors`` (parameters and buffers whose
+    ``_version`` counters were ``versions`` at the forward) was changed in place since;
+    ``names()`` gives their names (only called on an error). ``None`` when none was."""
+    now = tuple(map(_version, tensors))
+    if now == versions:
+        return None
+    if len(now) != len(versions):
+        return (f"the parameters or buffers of this rank's layers changed since the forward "
+                f"({len(now)} tensors now, {len(versions)} then): one of the variables needed "
+                f"for gradient computation has been modified by an inplace operation")
+    i = next(i for i, (a, b) in enumerate(zip(now, versions)) if a != b)
+    return (f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {names()[i]} is at version {now[i]}; expected version "
+            f"{versions[i]} instead (it was changed in place between the forward and its "
+            f"backward, e.g. by optimizer.step())")
 
 
 class MGRITFunction(torch.autograd.Function):
-    """``apply(model, batch, token, x0, *params)``: the model's forward solve as one node.
+    """``apply(model, batch, token, x0, snapshot, *params)``: the model's forward solve as one
+    node.
 
     ``token`` is the model's grad-requiring empty tensor: in grad mode every rank's output then
     requires grad and every rank joins the backward, also where nothing else requires grad
     (frozen layers, no input) -- a rank-local decision would leave the other ranks waiting in
     the adjoint solve. ``x0``: the input on the first layer rank; elsewhere the user's tensor
-    (only linking it to the graph) or an empty one. ``params``: the model's unique parameters.
+    (only linking it to the graph) or an empty one.
+
+    Two ways to reach the parameters (the same gradients; :meth:`LayerParallelResNet.forward`
+    picks one per forward):
+
+    * ``snapshot=None``, ``params``: the model's unique parameters, each an input of the node
+      (saved, so autograd's version check covers them); the backward returns one gradient per
+      parameter. Any step module.
+    * ``snapshot``: the batched chain's stacked snapshot taken with autograd
+      (``ForwardChain.refresh(grad=True)``), ``params`` its stacked parameters (one per
+      parameter name): ``torch.stack``'s node, not this one, fans the stacked gradient out to
+      the layers' parameters, so the node costs no Python work per parameter. The versions of
+      the layers' parameters and buffers are recorded here and compared in the backward
+      (autograd's "modified by an inplace operation" error, as for saved tensors).
     """
 
     @staticmethod
-    def forward(ctx, model, batch, token, x0, *params):
-        out, states, stacked = model._forward_solve(x0 if model.is_first else None, batch, True)
+    def forward(ctx, model, batch, token, x0, snapshot, *params):
+        out, states, stacked = model._forward_solve(x0 if model.is_first else None, batch, True,
+                                                    snapshot)
         ctx.model, ctx.forward_id, ctx.stack_names = model, model._forward_count, tuple(stacked)
         ctx.param_index = model._param_index  # layer -> unique parameter, as of this forward
-        ctx.save_for_backward(states, *stacked.values(), *params)
+        ctx.stacked_inputs = snapshot is not None
+        if ctx.stacked_inputs:
+            ctx.versions = tuple(map(_version, model._checked))
+            ctx.save_for_backward(states, *stacked.values())
+        else:
+            ctx.save_for_backward(states, *stacked.values(), *params)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None, *ctx.model._backward(ctx, grad))
+        gx0, *pgrads = node_backward(ctx.model, ctx, grad)
+        return (None, None, None, gx0, None, *pgrads)
 
 
-def agree_backward(comm: MPI.Comm, forward_id: int, error: str | None, need: bool) -> bool:
-    """Before an adjoint solve: every rank of ``comm`` must be backpropagating forward number
-    ``forward_id``, and no rank may have failed its checks (``error``: a message). Raises the
-    same RuntimeError on every rank otherwise, naming each rank's error or forward. Returns
-    whether any rank ``need``s a gradient from this backward (else the solve is skipped)."""
-    if comm.Get_size() == 1:
-        if error:
-            raise RuntimeError(error)
-        return need
-    gathered = comm.allgather((error, (_TAG, forward_id, need)))
-    strays = [r for r, g in enumerate(gathered)
-              if not (isinstance(g, tuple) and len(g) == 2 and isinstance(g[1], tuple)
-                      and len(g[1]) == 3 and g[1][0] == _TAG)]
-    if strays:  # another collective met this one: a rank is not in this backward
-        raise RuntimeError(f"rank(s) {strays} did not enter the backward of a "
-                           f"LayerParallelResNet forward while the others did: every rank must "
-                           f"call backward on the same forwards")
-    errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
-    ids = [t[1] for _, t in gathered]
-    if len(set(ids)) > 1:
-        errs.append("ranks backpropagate different forwards of this LayerParallelResNet ("
-                    + ", ".join(f"rank {r}: forward #{i}" for r, i in enumerate(ids))
-                    + "): every rank must call backward on the same forwards, in the same order")
-    if errs:
-        raise RuntimeError("; ".join(errs))
-    return any(t[2] for _, t in gathered)
+def node_backward(model, ctx, grad) -> tuple:
+    """Gradients of one forward (``ctx``) of ``model`` for ``(x0, *params)`` (the node's
+    parameter inputs: unique parameters, or stacked ones)."""
+    error = None
+    try:
+        saved = ctx.saved_tensors  # autograd's version check and freed-graph check
+    except RuntimeError as exc:
+        saved, error = None, (f"backward of forward #{ctx.forward_id} of this "
+                              f"LayerParallelResNet: {exc}")
+    if error is None and torch.is_grad_enabled():
+        error = ("double backward (create_graph=True) through a LayerParallelResNet is not "
+                 "supported: its gradients are not differentiable")
+    if error is None and ctx.stacked_inputs:
+        error = version_error(model._checked, ctx.versions, model._checked_names)
+    need_x = model.is_first and ctx.needs_input_grad[3]
+    need_p = ctx.needs_input_grad[5:]
+    if not agree_backward(model.comm, _WHAT, ctx.forward_id, error, (need_x or any(need_p),))[0]:
+        return (None,) * (1 + len(need_p))  # no rank needs anything: no adjoint solve
+    ns = len(ctx.stack_names)  # saved: states, stacked tensors[, parameters (version check)]
+    states = saved[0]
+    tensors = {k: t.detach() for k, t in zip(ctx.stack_names, saved[1:1 + ns])}
+    if ctx.stacked_inputs:
+        gx0, grads = _adjoint(model, states, tensors, grad, need_x, "stacked")
+        return (gx0, *[g if w else None for g, w in zip(grads, need_p)])
+    index = ctx.param_index
+    tied = len(index) != len(need_p)
+    if tied or not all(need_p):
+        need = [need_p[i] for i in index]
+    else:
+        need = None  # the ordinary path: every parameter, each in one layer
+    gx0, flat = _adjoint(model, states, tensors, grad, need_x, need)
+    if flat is None:
+        pgrads = [None] * len(need_p)
+    elif not tied:
+        pgrads = flat
+    else:  # shared parameters: the sum over the layers that use them, as serial autograd
+        pgrads = [None] * len(need_p)
+        for i, g in zip(index, flat):
+            if g is not None:
+                pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+    return (gx0, *pgrads)
+
+
+def _adjoint(model, states, tensors, grad, need_x: bool, need):
+    """Adjoint solve at one forward's ``states`` (``tensors``: its stacked parameters), then
+    the parameter-gradient sweep: ``need`` ``None`` (every parameter), a list of flags per
+    layer parameter, or ``"stacked"`` (one stacked gradient per parameter name). Returns
+    ``(gx0 or None, gradients or None)``."""
+    shape = states.shape[1:]
+    solver = model._bsolver
+    # closed-form single adjoint steps in multilevel solves; a one-level adjoint solve (Kirby's
+    # serial adjoint) stays autograd through each layer: backprop bit for bit
+    chain = AdjointChain(model._chain, model.n_layers, states, tensors,
+                         closed_single=solver.hierarchy.n_levels > 1)
+    solver.propagator = chain
+    lam_N = grad.detach().reshape(shape) if model.is_last else None
+    warm = model._warm_adj
+    guess = warm if (model.warm_start_adjoint and warm is not None
+                     and warm.shape[1:] == shape) else None
+    res = solver.solve(lam_N, initial_guess=guess, state_shape=shape)
+    model.last_backward = res
+    if model.warm_start_adjoint:
+        model._warm_adj = res.states
+    N, lo = model.n_layers, res.lo
+    gx0 = res.states[N - lo].clone() if need_x else None
+    if need is not None and need != "stacked" and not any(need):
+        return gx0, None
+    # lambda_{k+1} for local layers k = first..first+n-1 is reversed point N-k-1: a reversed
+    # block of consecutive rows
+    n, top = len(model.steps), N - model.first - lo
+    lam_next = res.states[top - n:top].flip(0)
+    if need == "stacked":
+        return gx0, chain.stacked_gradients(lam_next)
+    batched = model.bwd_opts.batched and model.bwd_opts.max_levels > 1
+    return gx0, chain.parameter_gradients(lam_next, batched, need)

@@ -18,6 +18,14 @@ convolution for conv steps), else ``torch.func.vmap`` over ``torch.func.function
 module's closed-form ``vjp_batched`` when it has one (dense steps with built-in activations),
 else one autograd call through that batched forward.
 
+Hot paths (no Python work or temporary per layer where it can be avoided; each equal to the
+general path, ``tests/test_fastpaths.py``): ``step_batch_into`` writes a batched step straight
+into the solver's strided state rows (:mod:`mgrit.levelops`); single forward steps of a
+batched chain use the module's ``forward_layer(p, j, x)`` on the stacked snapshot when it has
+one (no module call: MGRIT's coarse sweeps); closed-form adjoint steps slice a reversed copy of
+the snapshot and of ``act'(z)`` (made once per adjoint solve) instead of gathering rows, and in
+multilevel adjoint solves (``closed_single``) the single adjoint steps are closed-form too.
+
 Batching never changes a result: a rank's layers are stacked only when
 :func:`~mgrit.nn.stacking.batching_obstacle` proves, when the chain is built, that they differ
 in nothing but parameter and buffer values (private attributes, tensor attributes, closures and
@@ -25,7 +33,10 @@ hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise eve
 evaluated with its own module. A module contributed by a user may provide
 ``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
 ``B`` layers stacked along dim 0, ``x`` is ``(B, batch, *state_shape)``, the result has the
-shape of ``x`` and row ``b`` must equal ``module_b(x[b])``.
+shape of ``x`` and row ``b`` must equal ``module_b(x[b])``. Optional, for speed:
+``forward_layer(p, j, x)`` (row ``j`` of ``p`` applied to ``x``, equal to ``module_j(x)``) and
+``stack_extras(p)`` (derived constants added to each snapshot, see
+:meth:`~mgrit.nn.stacking.Stacked.refresh`).
 """
 from __future__ import annotations
 
@@ -71,22 +82,30 @@ class ForwardChain(Propagator):
             stack = Stacked(self.steps) if len(self.steps) > 1 else None
             self.batching_obstacle = "fewer than two layers" if stack is None else stack.obstacle
             self._stack = stack if stack is not None and stack.ok else None
+        self._layer_fn = self._stack is not None and hasattr(self._stack.template, "forward_layer")
 
-    def refresh(self) -> dict:
+    def refresh(self, grad: bool = False) -> dict:
         """Snapshot the current parameters for batched steps (every forward solve calls it
         first). Returns the snapshot ``{name: (n_local, *shape)}`` (empty when not batched);
-        later refreshes never modify it. O(1) Python work besides the stacking."""
+        later refreshes never modify it. O(1) Python work besides the stacking. ``grad``: the
+        stacked parameters are recorded by autograd (``torch.stack`` of the layers'
+        parameters: one node whose backward hands each layer its row of a stacked gradient)."""
         self._hooked = global_hooks_registered()  # registered after build: evaluate per layer
         if self._stack is None or self._hooked:
             return {}
-        return self._stack.refresh()
+        return self._stack.refresh(grad)
 
     @property
     def batched(self) -> bool:
         return self._stack is not None and not self._hooked
 
     def step(self, u, start, stop, level):
-        return u + ((stop - start) * self.h) * self.steps[start - self.first](u)
+        j = start - self.first
+        stack = self._stack
+        if stack is not None and stack.tensors and not self._hooked and self._layer_fn:
+            # the snapshot's layer j without a module call (same values as the module)
+            return u + ((stop - start) * self.h) * stack.template.forward_layer(stack.tensors, j, u)
+        return u + ((stop - start) * self.h) * self.steps[j](u)
 
     def _dt(self, starts, stops, like):
         """Step sizes of a batched call: a float when all intervals have the same length
@@ -105,23 +124,42 @@ class ForwardChain(Propagator):
             return slice(starts.start - self.first, starts.stop - self.first, starts.step)
         return torch.as_tensor([s - self.first for s in starts], device=device)
 
-    def step_batch(self, u, starts, stops, level):
-        if not self.batched:
-            return super().step_batch(u, starts, stops, level)
-        if not self._stack.tensors:
-            self._stack.refresh()
+    def _F_batched(self, u, starts):
+        """``F_b(u[b])`` of the layers at ``starts`` in one stacked call, or ``None`` when the
+        module turns out not to be batchable by vmap (then remembered: per layer from now)."""
+        stack = self._stack
+        if not stack.tensors:
+            stack.refresh()
         try:
-            out = self._stack.apply(self._stack.take(self._rows(starts, u.device)), u)
+            return stack.apply(stack.take(self._rows(starts, u.device)), u)
         except Exception:  # nothing is swallowed: a native kernel re-raises; a genuine error
-            if self._stack._native:  # in a user module re-raises from the loop below
+            if stack._native:  # in a user module re-raises from the per-layer loop
                 raise
             self._stack = None  # a module vmap cannot batch: remember and loop from now on
             self.batching_obstacle = "torch.func.vmap cannot batch the module"
+            return None
+
+    def step_batch(self, u, starts, stops, level):
+        z = self._F_batched(u, starts) if self.batched else None
+        if z is None:
             return super().step_batch(u, starts, stops, level)
         dt = self._dt(starts, stops, u)
         if isinstance(dt, float):
-            return torch.add(u, out, alpha=dt)  # one pass instead of two (~20% of a step)
-        return u + dt * out
+            return torch.add(u, z, alpha=dt)  # one pass instead of two (~20% of a step)
+        return u + dt * z
+
+    def step_batch_into(self, u, starts, stops, level, out) -> None:
+        """:meth:`step_batch` written into ``out`` (a view of the solver's states that shares
+        no element with ``u``): the last operation writes the strided target directly."""
+        z = self._F_batched(u, starts) if self.batched else None
+        if z is None:
+            out.copy_(super().step_batch(u, starts, stops, level))
+            return
+        dt = self._dt(starts, stops, u)
+        if isinstance(dt, float):
+            torch.add(u, z, alpha=dt, out=out)
+        else:
+            torch.add(u, dt * z, out=out)
 
 
 class AdjointChain(Propagator):
@@ -136,18 +174,23 @@ class AdjointChain(Propagator):
         tensors: the stacked parameters the forward solve used (the snapshot
             :meth:`ForwardChain.refresh` returned); default: the chain's latest snapshot.
             Batched adjoint steps are used when this is non-empty and the chain is batched.
+        closed_single: single steps by the closed-form VJP when the module has one (default
+            False: autograd through the layer's module, so that a one-level adjoint solve is
+            backpropagation bit for bit; multilevel solves pass True).
     """
 
     def __init__(self, forward: ForwardChain, n_layers: int, states: torch.Tensor,
-                 tensors: dict | None = None):
+                 tensors: dict | None = None, closed_single: bool = False):
         self.fwd, self.n, self.states = forward, int(n_layers), states
         stack = forward._stack if forward.batched else None
         if stack is not None and tensors is None:
             tensors = stack.tensors or stack.refresh()
         self._stack = stack if tensors else None
         self.tensors = tensors or {}
+        self.closed_single = bool(closed_single)
         self._vjp = {}
         self._dact = None  # closed form: act'(z_k) of every local layer, computed once
+        self._rev = None  # ... and the stacked tensors and act'(z) in reversed layer order
 
     def _closed_form(self):
         """The stacked layers and ``act'(z)`` of all local layers at the forward states (one
@@ -161,6 +204,13 @@ class AdjointChain(Propagator):
             self._dact = stack.template.linearize_batched(self.tensors, self.states[:n])
         return stack
 
+    def _reversed(self):
+        """``(tensors, act'(z))`` of the local layers in reversed order (copies, once per
+        solve): the layers of a strided range of reversed points are then a slice, no gather."""
+        if self._rev is None:
+            self._rev = ({k: t.flip(0) for k, t in self.tensors.items()}, self._dact.flip(0))
+        return self._rev
+
     @property
     def batched(self) -> bool:
         return self._stack is not None
@@ -169,7 +219,15 @@ class AdjointChain(Propagator):
         return self.n - 1 - start - self.fwd.first  # local index of the layer linearized
 
     def step(self, mu, start, stop, level):
-        j = self._layer(start)  # single steps stay autograd: one level = backprop bit for bit
+        j = self._layer(start)
+        dt = (stop - start) * self.fwd.h
+        if self.closed_single and self._closed_form() is not None:  # no autograd graph
+            p = {k: t[j:j + 1] for k, t in self.tensors.items()}
+            z = self._stack.template.vjp_batched(p, None, mu.unsqueeze(0),
+                                                 dact=self._dact[j:j + 1])
+            return torch.add(mu, z[0], alpha=dt)
+        # otherwise autograd through the layer's module: a one-level adjoint solve (Kirby's
+        # serial adjoint) is then backprop bit for bit
         graph = self._vjp.get(j)
         if graph is None:  # the layer's graph is reused by every MGRIT iteration of this solve
             x = self.states[j].detach().requires_grad_(True)
@@ -178,12 +236,27 @@ class AdjointChain(Propagator):
             self._vjp[j] = graph
         x, y = graph
         with torch.enable_grad():
-            (g,) = torch.autograd.grad(y, x, ((stop - start) * self.fwd.h) * mu, retain_graph=True)
+            (g,) = torch.autograd.grad(y, x, dt * mu, retain_graph=True)
         return mu + g
+
+    def _vjp_closed(self, mu, starts):
+        """``(dact_b * mu_b) W_b`` of the layers at reversed points ``starts`` (a range), or
+        ``None`` when the closed form does not apply."""
+        if not isinstance(starts, range) or starts.step < 1 or self._closed_form() is None:
+            return None
+        p, dact = self._reversed()
+        a = starts.start + self.fwd.first + len(self.fwd.steps) - self.n  # reversed local row
+        rows = slice(a, a + len(starts) * starts.step, starts.step)
+        return self._stack.template.vjp_batched({k: t[rows] for k, t in p.items()}, None, mu,
+                                                dact=dact[rows])
 
     def step_batch(self, mu, starts, stops, level):
         if not self.batched:
             return super().step_batch(mu, starts, stops, level)
+        z = self._vjp_closed(mu, starts)
+        if z is not None:
+            dt = self.fwd._dt(starts, stops, mu)
+            return torch.add(mu, z, alpha=dt) if isinstance(dt, float) else mu + dt * z
         stack = self._stack
         if isinstance(starts, range):
             first = self._layer(starts[0])
@@ -200,6 +273,36 @@ class AdjointChain(Propagator):
             y = stack.apply(p, x)
             (g,) = torch.autograd.grad(y, x, v)
         return mu + g
+
+    def step_batch_into(self, mu, starts, stops, level, out) -> None:
+        """:meth:`step_batch` written into ``out`` (shares no element with ``mu``)."""
+        z = self._vjp_closed(mu, starts) if self.batched else None
+        dt = self.fwd._dt(starts, stops, mu)
+        if z is None or not isinstance(dt, float):
+            out.copy_(self.step_batch(mu, starts, stops, level))
+            return
+        torch.add(mu, z, alpha=dt, out=out)
+
+    def stacked_gradients(self, lam_next: torch.Tensor, batched: bool = True) -> list:
+        """The parameter gradients of :meth:`parameter_gradients`, stacked over the local
+        layers: one entry per stacked parameter name (``Stacked.names``), ``(n_local, *shape)``,
+        or ``None`` where the parameter does not reach the step's output. Batched when the
+        chain is (else per layer, stacked; an unused parameter of a layer then gives zeros)."""
+        n = len(self.fwd.steps)
+        if batched and self.batched:  # h applied to the (small) gradients, not to lam_next
+            grads = self._batched_gradients(lam_next, n, split=False)
+            return [None if g is None else g.mul_(self.fwd.h) for g in grads]
+        flat = self.parameter_gradients(lam_next, False)
+        k = len(flat) // n
+        out = []
+        for i in range(k):
+            col = flat[i::k]
+            if all(g is None for g in col):
+                out.append(None)
+                continue
+            like = next(g for g in col if g is not None)
+            out.append(torch.stack([torch.zeros_like(like) if g is None else g for g in col]))
+        return out
 
     def parameter_gradients(self, lam_next: torch.Tensor, batched: bool,
                             need: Sequence[bool] | None = None) -> list:
@@ -237,7 +340,7 @@ class AdjointChain(Propagator):
                 out.extend(grads.get(id(p)) for p in ps)
         return out
 
-    def _batched_gradients(self, cot, n) -> list:
+    def _batched_gradients(self, cot, n, split: bool = True) -> list:
         stack = self._stack
         if self._closed_form() is not None:
             g = stack.template.vjp_batched(self.tensors, self.states[:n].detach(), cot,
@@ -250,4 +353,6 @@ class AdjointChain(Propagator):
                 gs = torch.autograd.grad(y, [p[k] for k in stack.names], cot, allow_unused=True)
             g = dict(zip(stack.names, gs))  # None: the parameter does not reach the output
         cols = [g[k] for k in stack.names]  # (indexing is 2x faster than unbind here)
+        if not split:
+            return cols
         return [None if t is None else t[j] for j in range(n) for t in cols]

@@ -13,6 +13,12 @@ tolerance) reproduces serial backpropagation; inexact mode (fixed small iteratio
 ``tol = 0``; TorchBraid: 2 forward / 1 backward) is how training gets fast, with a warm start
 from the previous batch's states. ``adjoint="serial"`` is Kirby et al.'s variant: MGRIT
 forward, the backward chain swept serially across ranks (a one-level adjoint solve).
+
+When both solves have one level (``max_levels=1``), there is nothing for MGRIT to do: the
+forward records the rank's layers in autograd as serial PyTorch does, pipelined across the
+ranks (:mod:`mgrit.nn.pipelined`; same autograd semantics, bitwise serial autograd on one
+rank). With a batched chain the node's parameter inputs are the stacked parameters
+(``torch.stack`` with autograd): no Python work per parameter tensor in the bridge.
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
 from ..solver import MGRIT
-from .bridge import MGRITFunction, agree_backward
-from .chains import AdjointChain, ForwardChain
+from .bridge import MGRITFunction
+from .chains import ForwardChain
+from .pipelined import one_level, pipelined_forward
 from .seeding import layer_seed, make_layers, serial_resnet
 from .steps import ResidualStep
 
@@ -201,10 +208,22 @@ class LayerParallelResNet(nn.Module):
 
     def _collect_parameters(self) -> None:
         """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
-        its index among them (tied parameters: several layers point to one index)."""
+        its index among them (tied parameters: several layers point to one index); the
+        parameters and buffers whose versions the one-level path checks (``_checked``)."""
         self._params = list(self.steps.parameters())  # deduplicated: shared ones once
         index = {id(p): i for i, p in enumerate(self._params)}
         self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
+        self._checked = self._params + list(self.steps.buffers())
+
+    def _checked_names(self) -> list:
+        """Names of :attr:`_checked` for error messages (global layer index and name)."""
+        names = {}
+        for j, s in enumerate(self.steps):
+            for n, t in s.named_parameters():
+                names.setdefault(id(t), f"parameter {n!r} of layer {self.first + j}")
+            for n, t in s.named_buffers():
+                names.setdefault(id(t), f"buffer {n!r} of layer {self.first + j}")
+        return [names.get(id(t), "a tensor of this rank's layers") for t in self._checked]
 
     def refresh_structure(self) -> None:
         """Re-read the step modules after changing anything but parameter/buffer values in
@@ -253,16 +272,24 @@ class LayerParallelResNet(nn.Module):
                 raise ValueError("batch_size is required on ranks other than the first")
             batch = int(batch_size)
         self._forward_count += 1
+        if one_level(self, torch.is_grad_enabled()):  # layer-wise model parallelism in autograd
+            return pipelined_forward(self, x0, batch)
         if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
             return self._forward_solve(x0 if self.is_first else None, batch, False)[0]
         if not isinstance(x0, torch.Tensor):
             x0 = torch.zeros(0, dtype=self.dtype, device=self.device)
-        return MGRITFunction.apply(self, batch, self._token, x0, *self._params)
+        if self._chain.batched and self.bwd_opts.batched and self.bwd_opts.max_levels > 1:
+            snap = self._chain.refresh(grad=True)  # the node's inputs: one stack per name
+            if snap:
+                stacked = [snap[n] for n in self._chain._stack.names]
+                return MGRITFunction.apply(self, batch, self._token, x0, snap, *stacked)
+        return MGRITFunction.apply(self, batch, self._token, x0, None, *self._params)
 
-    def _forward_solve(self, x0, batch: int, update_warm: bool):
-        """One forward solve: ``(output, this rank's states, stacked-parameter snapshot)``."""
+    def _forward_solve(self, x0, batch: int, update_warm: bool, snapshot: dict | None = None):
+        """One forward solve: ``(output, this rank's states, stacked-parameter snapshot)``
+        (``snapshot``: the one to use, else a fresh one)."""
         shape = torch.Size((batch, *self.state_shape))
-        stacked = self._chain.refresh()
+        stacked = self._chain.refresh() if snapshot is None else snapshot
         guess = self._warm if (self.warm_start and self._warm is not None
                                and self._warm.shape[1:] == shape) else None
         res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
@@ -273,66 +300,6 @@ class LayerParallelResNet(nn.Module):
         if self.is_last:
             return res.states[-1].clone(), res.states, stacked
         return torch.zeros(0, dtype=self.dtype, device=self.device), res.states, stacked
-
-    def _backward(self, ctx, grad) -> tuple:
-        """Gradients of one forward (``ctx``) for ``(x0, *unique parameters)``."""
-        error = None
-        try:
-            saved = ctx.saved_tensors  # autograd's version check and freed-graph check
-        except RuntimeError as exc:
-            saved, error = None, (f"backward of forward #{ctx.forward_id} of this "
-                                  f"LayerParallelResNet: {exc}")
-        if error is None and torch.is_grad_enabled():
-            error = ("double backward (create_graph=True) through a LayerParallelResNet is not "
-                     "supported: its gradients are not differentiable")
-        need_x = self.is_first and ctx.needs_input_grad[3]
-        need_p = ctx.needs_input_grad[4:]
-        if not agree_backward(self.comm, ctx.forward_id, error, need_x or any(need_p)):
-            return (None,) * (1 + len(need_p))  # no rank needs anything: no adjoint solve
-        ns = len(ctx.stack_names)  # saved: states, stacked tensors, parameters (version check)
-        states, tensors = saved[0], dict(zip(ctx.stack_names, saved[1:1 + ns]))
-        index = ctx.param_index
-        tied = len(index) != len(need_p)
-        if tied or not all(need_p):
-            need = [need_p[i] for i in index]
-        else:
-            need = None  # the ordinary path: every parameter, each in one layer
-        gx0, flat = self._backward_solve(states, tensors, grad, need_x, need)
-        if flat is None:
-            pgrads = [None] * len(need_p)
-        elif not tied:
-            pgrads = flat
-        else:  # shared parameters: the sum over the layers that use them, as serial autograd
-            pgrads = [None] * len(need_p)
-            for i, g in zip(index, flat):
-                if g is not None:
-                    pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
-        return (gx0, *pgrads)
-
-    def _backward_solve(self, states, tensors, grad, need_x: bool, need):
-        """Adjoint solve at one forward's ``states`` (``tensors``: its stacked parameters),
-        then the parameter-gradient sweep where ``need`` asks for it (``None``: everything).
-        Returns ``(gx0 or None, per-layer parameter gradients or None)``."""
-        shape = states.shape[1:]
-        chain = AdjointChain(self._chain, self.n_layers, states, tensors)
-        self._bsolver.propagator = chain
-        lam_N = grad.detach().reshape(shape) if self.is_last else None
-        guess = self._warm_adj if (self.warm_start_adjoint and self._warm_adj is not None
-                                   and self._warm_adj.shape[1:] == shape) else None
-        res = self._bsolver.solve(lam_N, initial_guess=guess, state_shape=shape)
-        self.last_backward = res
-        if self.warm_start_adjoint:
-            self._warm_adj = res.states
-        N, lo = self.n_layers, res.lo
-        gx0 = res.states[N - lo].clone() if need_x else None
-        if need is not None and not any(need):
-            return gx0, None
-        # lambda_{k+1} for local layers k = first..first+n_local-1 is reversed point N-k-1
-        n_local = len(self.steps)
-        rows = [N - (self.first + j) - 1 - lo for j in range(n_local)]
-        lam_next = res.states[torch.as_tensor(rows, device=res.states.device)]
-        batched = self.bwd_opts.batched and self.bwd_opts.max_levels > 1
-        return gx0, chain.parameter_gradients(lam_next, batched, need)
 
     def _apply(self, fn, *args, **kwargs):
         """Keep the solvers' dtype/device in step with ``.to()``, ``.double()``, ``.cuda()``

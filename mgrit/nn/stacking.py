@@ -166,12 +166,25 @@ class Stacked:
         no autograd graph. Read at every use (an activation may be replaced after build)."""
         return bool(self._native and getattr(self.template, "closed_form_vjp", False))
 
-    def refresh(self) -> dict:
+    def refresh(self, grad: bool = False) -> dict:
         """Stack the current values into a new snapshot (the tensors of earlier snapshots are
-        never modified: a forward's autograd node keeps its own). Returns it."""
-        with torch.no_grad():  # no graph: no per-tensor detach needed
-            self.tensors = {n: torch.stack(lst) for n, lst in self._lists.items()}
-        return self.tensors
+        never modified: a forward's autograd node keeps its own). Returns it. ``grad``: the
+        stacked parameters are recorded by autograd (``torch.stack``'s node hands each layer's
+        parameter its row of a gradient w.r.t. the stack); buffers never are. A module with a
+        ``forward_batched`` may also define ``stack_extras(p) -> dict``: tensors derived from
+        the stacked ones (e.g. :class:`~mgrit.nn.steps.DenseStep`'s contiguous transposed
+        weights), added to the snapshot under names that are not parameter names; they are
+        constants (``forward_batched`` must not use them where a parameter gradient is
+        taken)."""
+        with torch.set_grad_enabled(grad):  # no graph: no per-tensor detach needed
+            tensors = {n: torch.stack(self._lists[n]) for n in self.names}
+        with torch.no_grad():
+            tensors.update((n, torch.stack(self._lists[n])) for n in self.bnames)
+            extras = getattr(self.template, "stack_extras", None) if self._native else None
+            if extras is not None:  # derived constants of the module's batched kernel
+                tensors.update(extras({n: t.detach() for n, t in tensors.items()}))
+        self.tensors = tensors
+        return tensors
 
     def take(self, idx, tensors: dict | None = None) -> dict:
         """Rows ``idx`` of every stacked tensor of ``tensors`` (default: the latest snapshot);

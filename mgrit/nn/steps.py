@@ -57,6 +57,9 @@ def _act_derivative(act: nn.Module, z: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"no closed-form derivative for {type(act).__name__}")
 
 
+_WT = "linear.weight^T"  # DenseStep.stack_extras: not a parameter name
+
+
 class DenseStep(nn.Module):
     """``F(x) = act(W x + b)``, ``W`` of shape ``(width, width)``; states ``(batch, width)``."""
 
@@ -72,13 +75,49 @@ class DenseStep(nn.Module):
 
     def forward_batched(self, p: dict, x):
         """``B`` layers at once: ``p`` holds this module's parameters stacked along dim 0
-        (``linear.weight`` ``(B, w, w)``, ``linear.bias`` ``(B, w)``); ``x`` is ``(B, batch, w)``."""
-        return self.act(self._pre_activation(p, x))
+        (``linear.weight`` ``(B, w, w)``, ``linear.bias`` ``(B, w)``; optionally
+        :meth:`stack_extras`); ``x`` is ``(B, batch, w)``. Built-in Tanh/ReLU are applied in
+        place on the fresh pre-activation (a batched call runs only on steps without hooks)."""
+        z = self._pre_activation(p, x)
+        kind = type(self.act)
+        if kind is nn.Tanh:
+            return z.tanh_()
+        if kind is nn.ReLU:
+            return z.relu_()
+        return self.act(z)
+
+    def forward_layer(self, p: dict, j: int, x):
+        """Layer ``j`` of a stacked snapshot ``p`` (as :meth:`forward_batched`) on ``x``
+        ``(batch, w)``: ``act(x W_j^T + b_j)`` in one ``addmm`` (the single steps of MGRIT's
+        coarse sweeps; no module call)."""
+        W, WT = p["linear.weight"], p.get(_WT)
+        if WT is None or (W.requires_grad and torch.is_grad_enabled()):
+            z = torch.addmm(p["linear.bias"][j], x, W[j].t())
+        else:
+            z = torch.addmm(p["linear.bias"][j], x, WT[j])
+        kind = type(self.act)
+        if kind is nn.Tanh:
+            return z.tanh_()
+        if kind is nn.ReLU:
+            return z.relu_()
+        return self.act(z)
+
+    @staticmethod
+    def stack_extras(p: dict) -> dict:
+        """Derived tensors of a stacked snapshot ``p`` (see
+        :meth:`mgrit.nn.stacking.Stacked.refresh`): the transposed weights ``(B, w, w)``,
+        contiguous -- ``bmm`` with them is about 30% faster on CPU than with a transposed
+        view. Constants: not used where a weight gradient is taken."""
+        return {_WT: p["linear.weight"].transpose(1, 2).contiguous()}
 
     @staticmethod
     def _pre_activation(p: dict, x):
         """``z = x W^T + b`` of ``B`` layers, ``(B, batch, w)``."""
-        z = torch.bmm(x, p["linear.weight"].transpose(1, 2))  # bmm: baddbmm is 4x slower on CPU
+        W = p["linear.weight"]
+        WT = p.get(_WT)
+        if WT is None or (W.requires_grad and torch.is_grad_enabled()):  # a weight gradient
+            WT = W.transpose(1, 2)
+        z = torch.bmm(x, WT)  # bmm: baddbmm is 4x slower on CPU
         z += p["linear.bias"].unsqueeze(1)
         return z
 
@@ -91,7 +130,10 @@ class DenseStep(nn.Module):
         """``act'(z)``, ``z = x W^T + b``, of ``B`` layers at states ``x`` ``(B, batch, w)``:
         the diagonal of the activation's Jacobian, ``(B, batch, w)``, reusable by every
         :meth:`vjp_batched` at the same states."""
-        return _act_derivative(self.act, self._pre_activation(p, x))
+        z = self._pre_activation(p, x)
+        if type(self.act) is nn.Tanh:  # 1 - tanh(z)^2 in place: the same values, no temporaries
+            return z.tanh_().square_().neg_().add_(1.0)
+        return _act_derivative(self.act, z)
 
     def vjp_batched(self, p: dict, x, v, params: bool = False, dact=None):
         """Closed-form vector-Jacobian products of :meth:`forward_batched` at ``x``, without
