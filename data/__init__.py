@@ -16,12 +16,14 @@ Modules: :mod:`data.datasets` (registry, bundled sets), :mod:`data.split`
 :mod:`data.cifar` (CIFAR-10 pickles), :mod:`data.peaks` (Peaks problem),
 :mod:`data.h5cache` (HDF5 cache writing), :mod:`data.h5reader` (lazy
 reading), :mod:`data.h5format` (format constants and checksum shared by both),
-:mod:`data.sharding` (global-batch sampler), :mod:`data.errors`,
+:mod:`data.sharding` (global-batch sampler), :mod:`data.text` (character-level
+text corpora for language models: ``load_text("pydoc-topics", context=64)``, the Python
+documentation topics shipped with CPython), :mod:`data.errors`,
 ``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
 
 Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, ``peaks``;
-``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``sharding``
-stands alone.
+``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``split`` <-
+``text``; ``sharding`` stands alone.
 No torch or mpi4py is imported.
 """
 
@@ -35,10 +37,12 @@ from .idx import load_mnist, read_idx, write_idx
 from .peaks import make_peaks
 from .sharding import GlobalBatchSampler, global_permutation
 from .split import Split
+from .text import TEXT_CORPORA, load_text
 
 __all__ = [
     "load_dataset", "load_raw", "available_datasets", "source_datasets", "dataset_info", "Split",
     "GlobalBatchSampler", "global_permutation", "DataFormatError",
     "FORMAT_VERSION", "H5Split", "open_h5_split", "open_h5_pair", "prepare", "write_split_h5",
     "read_idx", "write_idx", "load_mnist", "load_cifar10", "read_cifar_batch", "make_peaks",
+    "load_text", "TEXT_CORPORA",
 ]

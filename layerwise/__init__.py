@@ -1,25 +1,37 @@
-"""Decoupled layer-wise training (import layerwise).
+"""Decoupled layer-wise training (import layerwise), run by the library's training loop
+(:class:`mgrit.training.Trainer`): both methods are
+:class:`~mgrit.training.method.TrainingMethod` objects.
 
 * :mod:`layerwise.heads` -- auxiliary heads (``make_head``) and ``ResidualStep``.
-* :mod:`layerwise.sequential` -- Kim 2019 sequential layer-by-layer training.
-* :mod:`layerwise.decoupled` -- DGL stages (Belilovsky et al. 2020) and the single-process loop.
-* :mod:`layerwise.pipeline` -- DGL pipelined over MPI ranks (stages x replicas).
+* :mod:`layerwise.sequential` -- sequential layer-by-layer training, our reading of Kim 2019
+  (``SequentialTrainer``: the schedule of stages), with :mod:`layerwise.features` (the cached
+  outputs of its frozen layers).
+* :mod:`layerwise.decoupled` -- DGL stages (Belilovsky et al. 2020) and the single-process
+  reference loop (``DecoupledTrainer``).
+* :mod:`layerwise.pipeline` -- DGL pipelined over MPI ranks (stages x replicas;
+  ``DecoupledPipeline``), with :mod:`layerwise.messages` (its point-to-point messages) and
+  :mod:`layerwise.pipeline_eval` (its evaluation).
 * :mod:`layerwise.evaluate` -- combined-network evaluation and head ensembling.
-* :mod:`layerwise.replicas` -- data-parallel replicas: BatchNorm over the global batch
-  (``ReplicaSync``), refusal of other modules whose buffers change in forward.
-* :func:`train_layerwise` -- entry function of the main job (``--method sequential|decoupled``).
+* :mod:`layerwise.train` -- :func:`build_method` (the method of ``--method
+  sequential|decoupled``) and :func:`train_layerwise` (it in the Trainer, results as a dict).
+
+Both methods train classification (``loss="cross_entropy"``, int64 labels) or regression
+(``loss="mse"``, float targets ``(n, D)``; :data:`LOSSES`).
+
+Data-parallel replicas use the shared pieces of :mod:`mgrit.parallel`: gradient averaging
+(``GradientBuckets``) and BatchNorm over the global batch with a guard against other
+buffer-changing modules (:mod:`mgrit.parallel.replicas`). Nothing here uses the MGRIT solver.
 """
-from .common import OPTIMIZERS, global_batches, shard, shard_loss, split_stages
+from .common import LOSSES, OPTIMIZERS, global_batches, shard, shard_loss, split_stages
 from .decoupled import DecoupledModel, DecoupledTrainer, stage_step
 from .evaluate import evaluate
 from .heads import HEAD_KINDS, ResidualStep, check_head_fits, make_head
 from .pipeline import DecoupledPipeline
-from .replicas import SYNC_TYPES, ReplicaSync
 from .sequential import GROW_MODES, SequentialTrainer
-from .train import METHODS, train_layerwise
+from .train import METHODS, build_method, train_layerwise
 
-__all__ = ["OPTIMIZERS", "HEAD_KINDS", "GROW_MODES", "METHODS", "make_head", "check_head_fits",
+__all__ = ["LOSSES", "OPTIMIZERS", "HEAD_KINDS", "GROW_MODES", "METHODS", "make_head",
+           "check_head_fits",
            "ResidualStep", "split_stages", "global_batches", "shard", "shard_loss",
-           "ReplicaSync", "SYNC_TYPES", "DecoupledModel",
-           "DecoupledTrainer", "stage_step", "DecoupledPipeline", "SequentialTrainer", "evaluate",
-           "train_layerwise"]
+           "DecoupledModel", "DecoupledTrainer", "stage_step", "DecoupledPipeline",
+           "SequentialTrainer", "evaluate", "build_method", "train_layerwise"]

@@ -1,5 +1,7 @@
 """Shared pieces of the layer-wise trainers: argument checks, optimizers, stage splits,
-feature shapes, the seeded global-batch schedule (same convention as
+feature shapes, the training losses (:data:`LOSSES`: cross-entropy on class labels, MSE on
+regression targets; :func:`check_targets`, :func:`shard_loss`, :func:`eval_loss`), the seeded
+global-batch schedule (same convention as
 ``data.GlobalBatchSampler``: permutation ``default_rng([seed, epoch])``, consecutive global
 batches of ``B`` indices, replica ``r`` takes chunk ``r`` of ``np.array_split(batch, R)``,
 which is empty when the batch has fewer than ``r + 1`` samples) and the replica loss
@@ -23,12 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["OPTIMIZERS", "check_int", "check_float", "make_optimizer", "split_stages",
-           "output_shapes", "global_batches", "shard", "shard_loss", "release_gradients",
-           "as_tensor", "module_dtype"]
+__all__ = ["OPTIMIZERS", "LOSSES", "check_loss", "check_targets", "eval_loss", "mse_loss",
+           "correct_count", "as_targets", "no_nan", "check_int", "check_float", "make_optimizer",
+           "split_stages", "output_shapes", "global_batches", "shard", "shard_loss",
+           "release_gradients", "as_tensor", "module_dtype"]
 
 #: Optimizer names accepted by :func:`make_optimizer`.
 OPTIMIZERS = ("sgd", "adam")
+
+#: Training losses of the layer-wise methods: ``"cross_entropy"`` (classification: every head
+#: outputs ``C`` logits, targets are int64 class labels ``(n,)``) and ``"mse"`` (regression:
+#: every head outputs ``D`` values, targets are floats ``(n, D)``; the loss is
+#: ``F.mse_loss``, the mean over samples and output dimensions).
+LOSSES = ("cross_entropy", "mse")
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
@@ -46,6 +55,63 @@ def check_float(name: str, value, positive: bool = True) -> float:
         raise ValueError(f"{name}={value!r} is not allowed: use a finite number "
                          f"{'> 0' if positive else '>= 0'}")
     return float(value)
+
+
+def check_loss(loss) -> str:
+    """``loss`` if it is one of :data:`LOSSES`, else ``ValueError`` naming it."""
+    if not isinstance(loss, str) or loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not allowed: use one of {', '.join(LOSSES)} "
+                         f"(cross-entropy on int64 class labels, or MSE on float targets (n, D))")
+    return loss
+
+
+def check_targets(y: torch.Tensor, loss: str, num_outputs: int, what: str = "y") -> None:
+    """``ValueError`` unless ``y`` are targets of ``loss`` for heads of ``num_outputs``
+    outputs: int64-compatible integer labels ``(n,)`` for ``"cross_entropy"``, floats ``(n,
+    num_outputs)`` for ``"mse"`` (``n >= 0``). A pure function of its arguments: the same
+    error on every rank that holds the same targets."""
+    if loss == "mse":
+        if not y.is_floating_point() or y.dim() != 2 or y.shape[1] != num_outputs:
+            raise ValueError(f"{what} of dtype {y.dtype} and shape {tuple(y.shape)} is not "
+                             f"allowed with loss='mse': use float targets of shape (n, "
+                             f"{num_outputs}) (num_classes={num_outputs} is the output "
+                             f"dimension D)")
+    elif y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
+        raise ValueError(f"{what} of dtype {y.dtype} and shape {tuple(y.shape)} is not allowed "
+                         f"with loss='cross_entropy': use integer class labels of shape (n,) "
+                         f"(for regression targets pass loss='mse')")
+
+
+def mse_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``F.mse_loss(out, y)`` (``"mean"``: over samples and output dimensions) or, with
+    ``reduction="sum"``, the sum over the ``n`` samples of each sample's mean squared error
+    (``F.mse_loss(out, y, reduction="sum") / D``), so that ``sum / n`` is the mean: the form
+    the training loop's evaluation sums over chunks and replicas. ``out``, ``y``: ``(n, D)``."""
+    if reduction == "sum":
+        return F.mse_loss(out, y, reduction="sum") / out.shape[1]
+    if reduction != "mean":
+        raise ValueError(f"reduction={reduction!r} is not allowed: use 'mean' or 'sum'")
+    return F.mse_loss(out, y)
+
+
+def eval_loss(loss: str):
+    """The per-sample loss ``fn(out, y, reduction="mean"|"sum")`` of ``loss`` for
+    :class:`mgrit.training.Trainer`'s evaluation: ``F.cross_entropy`` or :func:`mse_loss`."""
+    return mse_loss if check_loss(loss) == "mse" else F.cross_entropy
+
+
+def correct_count(out: torch.Tensor, y: torch.Tensor, loss: str) -> int | None:
+    """Correct argmax predictions among the rows of ``out`` (cross-entropy), None for
+    ``"mse"`` (a regression has no accuracy)."""
+    if loss == "mse":
+        return None
+    with torch.no_grad():
+        return int((out.argmax(1) == y).sum())
+
+
+def no_nan(value):
+    """``value`` with NaN as None (the training loop reports a missing accuracy as NaN)."""
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], lr: float, momentum: float = 0.0,
@@ -152,19 +218,29 @@ def shard(batch: np.ndarray, rank: int, num_replicas: int) -> np.ndarray:
 
 
 def shard_loss(logits: torch.Tensor, y: torch.Tensor, global_batch: int,
-               num_replicas: int = 1) -> torch.Tensor:
-    """This replica's cross-entropy loss such that the **mean** of the replicas' gradients is
-    the gradient of the mean loss over the global batch of ``global_batch`` samples.
+               num_replicas: int = 1, loss: str = "cross_entropy") -> torch.Tensor:
+    """This replica's loss such that the **mean** of the replicas' gradients is the gradient
+    of the mean loss over the global batch of ``global_batch`` samples.
 
-    ``F.cross_entropy(logits, y)`` (the mean over the shard) when every replica holds
-    ``global_batch / num_replicas`` samples (bitwise the single-process loss for one
-    replica); otherwise the summed loss times ``num_replicas / global_batch`` (0 for an empty
-    shard). Unlike weighting the averaged gradients by the shard size, this keeps the loss a
-    share of one global loss, which the cross-replica backward of synchronized BatchNorm
-    (:mod:`layerwise.replicas`) needs. ``logits`` ``(n, C)``, ``y`` int64 ``(n,)``, ``n >= 0``.
+    The mean over the shard (``F.cross_entropy(logits, y)`` / ``F.mse_loss(logits, y)``)
+    when every replica holds ``global_batch / num_replicas`` samples (bitwise the
+    single-process loss for one replica); otherwise the summed per-sample loss times
+    ``num_replicas / global_batch`` (cross-entropy: ``F.cross_entropy(..., reduction="sum")``;
+    MSE: ``F.mse_loss(..., reduction="sum") / D``, each sample's mean over its ``D``
+    outputs), 0 for an empty shard. Unlike weighting the averaged gradients by the shard size,
+    this keeps the loss a share of one global loss, which the cross-replica backward of
+    synchronized BatchNorm (:mod:`mgrit.parallel.replicas`) needs.
+
+    Args:
+        logits: head outputs ``(n, C)`` (``(n, D)`` for MSE), ``n >= 0``.
+        y: int64 labels ``(n,)`` (cross-entropy) or float targets ``(n, D)`` (MSE).
+        loss: one of :data:`LOSSES` (default ``"cross_entropy"``).
     """
     if len(y) * num_replicas == global_batch:
-        return F.cross_entropy(logits, y)
+        return F.mse_loss(logits, y) if loss == "mse" else F.cross_entropy(logits, y)
+    if loss == "mse":
+        return F.mse_loss(logits, y, reduction="sum") / logits.shape[1] \
+            * (num_replicas / global_batch)
     return F.cross_entropy(logits, y, reduction="sum") * (num_replicas / global_batch)
 
 
@@ -174,6 +250,14 @@ def release_gradients(modules: Iterable[nn.Module]) -> None:
     for m in modules:
         for p in m.parameters():
             p.grad = None
+
+
+def as_targets(y, loss: str, num_outputs: int, dtype: torch.dtype, what: str = "y") -> torch.Tensor:
+    """Targets of ``loss`` as a CPU tensor checked by :func:`check_targets`: int64 labels
+    (cross-entropy) or floats in ``dtype`` (MSE, the layers' dtype)."""
+    t = as_tensor(y)
+    check_targets(t, loss, num_outputs, what)
+    return t.to(dtype) if loss == "mse" else t.long()
 
 
 def as_tensor(x, dtype: torch.dtype | None = None) -> torch.Tensor:

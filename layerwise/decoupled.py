@@ -4,7 +4,8 @@ Greedy Learning of CNNs"): stages, and the single-process training loop.
 The network (a list of ``nn.Module`` layers, each one block: ``Linear+ReLU``, a conv block, a
 :class:`~layerwise.heads.ResidualStep`, ...) is split into ``K`` contiguous stages. Stage ``k``
 has a body (its layers), an auxiliary head and its own optimizer; per batch it runs forward,
-computes its local cross-entropy loss, back-propagates *inside the stage only*, steps, and hands
+computes its local loss (cross-entropy on class labels, or MSE on regression targets:
+``loss="mse"``), back-propagates *inside the stage only*, steps, and hands
 its **detached** output to stage ``k + 1``. There is no backward dependency between stages, so
 the MPI pipeline (:class:`layerwise.pipeline.DecoupledPipeline`) reproduces this loop exactly.
 
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import (check_int, make_optimizer, module_dtype, output_shapes, release_gradients,
-                     shard_loss, split_stages)
+from .common import (check_int, check_loss, check_targets, correct_count, make_optimizer,
+                     module_dtype, output_shapes, release_gradients, shard_loss, split_stages)
 from .evaluate import evaluate
 from .heads import HeadSpec, make_head
 
@@ -35,7 +36,8 @@ class DecoupledModel(nn.Module):
 
     Args:
         layers: the network's layers (used as-is, not copied), all of one dtype; applied in order.
-        num_classes: C, number of classes (logits per head).
+        num_classes: C, number of classes (logits per head); with ``loss="mse"`` the output
+            dimension D of every head (targets ``(n, D)``).
         in_shape: per-sample input shape, e.g. ``(64,)`` or ``(1, 8, 8)``.
         num_stages: K, 1 <= K <= len(layers).
         head: head kind or factory (see :mod:`layerwise.heads`) for every stage (default
@@ -44,6 +46,9 @@ class DecoupledModel(nn.Module):
         head_hidden: hidden width of ``"mlp"``/``"conv"`` heads.
         seed: heads are initialised under ``torch.manual_seed(seed + 7919 * k)`` (rank
             independent, global RNG state restored).
+        loss: every stage's local loss, ``"cross_entropy"`` (default; int64 labels ``(n,)``)
+            or ``"mse"`` (float targets ``(n, D)``; no accuracy), see
+            :data:`layerwise.common.LOSSES`.
 
     Attributes:
         bodies, heads: ``nn.ModuleList`` of length K.
@@ -51,14 +56,16 @@ class DecoupledModel(nn.Module):
         in_shapes, out_shapes: per-sample input/output shape of every stage.
 
     Raises:
-        ValueError: more stages than layers, bad ``stage_sizes``, a layer not accepting its
-            input, or a head that does not fit a stage's output shape.
+        ValueError: unknown ``loss``, more stages than layers, bad ``stage_sizes``, a layer
+            not accepting its input, or a head that does not fit a stage's output shape.
     """
 
     def __init__(self, layers: Sequence[nn.Module], num_classes: int, in_shape: Sequence[int], *,
                  num_stages: int, head: HeadSpec = "linear",
-                 stage_sizes: Sequence[int] | None = None, head_hidden: int = 64, seed: int = 0):
+                 stage_sizes: Sequence[int] | None = None, head_hidden: int = 64, seed: int = 0,
+                 loss: str = "cross_entropy"):
         super().__init__()
+        self.loss = check_loss(loss)
         layers = list(layers)
         self.bounds = split_stages(len(layers), num_stages, stage_sizes)
         dtype = module_dtype(layers)
@@ -106,9 +113,10 @@ class DecoupledModel(nn.Module):
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024,
                  ensemble: bool = False) -> dict:
-        """:func:`layerwise.evaluate.evaluate` of this model (all heads reported)."""
+        """:func:`layerwise.evaluate.evaluate` of this model with its loss (all heads
+        reported)."""
         return evaluate(list(self.bodies), list(self.heads), x, y, batch_size=batch_size,
-                        ensemble=ensemble)
+                        ensemble=ensemble, loss=self.loss)
 
 
 def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
@@ -119,30 +127,33 @@ def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
 
     Args:
         x: stage input ``(b, *in_shapes[k])`` (no graph attached; ``b`` may be 0 for a replica
-            with an empty shard); y: int64 labels ``(b,)``.
+            with an empty shard); y: int64 labels ``(b,)``, or float targets ``(b, D)`` when
+            ``model.loss == "mse"``.
         after_backward: called with ``k`` between ``backward`` and ``optimizer.step`` (used for
             data-parallel gradient averaging).
         global_batch, num_replicas: the global batch size this shard belongs to and the number
-            of replicas; the loss is :func:`~layerwise.common.shard_loss` (default: the mean
-            over ``x``, the single-process loss).
+            of replicas; the loss is :func:`~layerwise.common.shard_loss` of ``model.loss``
+            (default: the mean over ``x``, the single-process loss).
 
     Returns:
-        ``(out, loss_sum, correct)``: detached output ``(b, *out_shapes[k])``, the summed
-        (not mean) loss over the batch as a float, and the number of correct head predictions.
+        ``(out, loss, correct)``: detached output ``(b, *out_shapes[k])``, the mean loss over
+        this batch's ``b`` samples as a float (0.0 for ``b = 0``; the summed loss is ``loss *
+        b``), and the number of correct head predictions (None for MSE).
     """
     out = model.bodies[k](x)
     logits = model.heads[k](out)
     n = len(y) if global_batch is None else global_batch
-    loss = shard_loss(logits, y, n, num_replicas)
+    loss = shard_loss(logits, y, n, num_replicas, model.loss)
     optimizer.zero_grad()
     loss.backward()
     if after_backward is not None:
         after_backward(k)
     optimizer.step()
-    with torch.no_grad():
-        correct = int((logits.argmax(1) == y).sum())
-    scale = len(y) if len(y) * num_replicas == n else n / num_replicas
-    return out.detach(), float(loss.detach()) * scale, correct
+    correct = correct_count(logits, y, model.loss)
+    value = float(loss.detach())
+    if len(y) * num_replicas != n:  # the shard's share of the global loss -> its mean
+        value = value * (n / num_replicas) / len(y) if len(y) else 0.0
+    return out.detach(), value, correct
 
 
 class DecoupledTrainer:
@@ -167,7 +178,8 @@ class DecoupledTrainer:
         self.rng = np.random.default_rng([seed, 104729])
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[float, int, int]]:
-        """One tick: every stage takes one step. Returns per stage ``(loss_sum, correct, n)``."""
+        """One tick: every stage takes one step. Returns per stage ``(loss_sum, correct, n)``
+        (``correct`` NaN for MSE)."""
         stats = []
         m = self.model
         for k in range(m.num_stages):
@@ -175,7 +187,7 @@ class DecoupledTrainer:
                 buf = self.buffers[k - 1]
                 x, y = buf[int(self.rng.integers(len(buf)))]
             x, loss, correct = stage_step(m, k, x, y, self.optimizers[k])
-            stats.append((loss, correct, len(y)))
+            stats.append((loss * len(y), np.nan if correct is None else correct, len(y)))
             if self.asynchronous and k < m.num_stages - 1:
                 self.buffers[k].append((x, y))
         return stats
@@ -184,10 +196,17 @@ class DecoupledTrainer:
                     batches: Sequence[np.ndarray]) -> dict:
         """Train on ``x[idx], y[idx]`` for every index array in ``batches``.
 
+        ``y``: int64 labels ``(n,)``, or float targets ``(n, D)`` when the model's loss is
+        ``"mse"``.
+
         Returns ``{"stage_loss": [...], "stage_acc": [...], "loss": last stage's mean loss,
-        "train_acc": last stage's accuracy}`` (running averages over the epoch). The
-        parameters' ``.grad`` are released (``None``) at the end.
+        "train_acc": last stage's accuracy}`` (running averages over the epoch; accuracies
+        None for MSE). The parameters' ``.grad`` are released (``None``) at the end.
+
+        Raises:
+            ValueError: ``y`` not targets of the model's loss (before any step).
         """
+        check_targets(y, self.model.loss, self.model.num_classes)
         K = self.model.num_stages
         tot = np.zeros((K, 3))
         self.model.train()
@@ -199,7 +218,9 @@ class DecoupledTrainer:
 
 
 def summarize(tot: np.ndarray) -> dict:
-    """Per-stage sums ``(loss_sum, correct, n)`` -> the metrics dict of an epoch."""
+    """Per-stage sums ``(loss_sum, correct, n)`` -> the metrics dict of an epoch (a NaN
+    ``correct``, i.e. MSE, gives accuracy None)."""
     n = np.maximum(tot[:, 2], 1)
-    loss, acc = (tot[:, 0] / n).tolist(), (tot[:, 1] / n).tolist()
+    loss = (tot[:, 0] / n).tolist()
+    acc = [None if np.isnan(c) else float(c / m) for c, m in zip(tot[:, 1], n)]
     return {"loss": loss[-1], "train_acc": acc[-1], "stage_loss": loss, "stage_train_acc": acc}

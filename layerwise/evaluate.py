@@ -1,7 +1,7 @@
 """Evaluation of a layer-wise trained network: the combined network (all stage bodies, then
-the last head) and, optionally, the ensemble of all stage heads (mean of their softmax
-probabilities, as in Belilovsky et al. 2020 Sec. 4 / Nøkland & Eidnes 2019 "prediction from
-intermediate heads").
+the last head) and, optionally, the ensemble of all stage heads (classification: mean of their
+softmax probabilities, as in Belilovsky et al. 2020 Sec. 4 / Nøkland & Eidnes 2019 "prediction
+from intermediate heads"; regression: mean of their outputs).
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .common import check_loss, mse_loss
 
 __all__ = ["stage_logits", "evaluate", "ensemble_probs", "accuracy"]
 
@@ -51,24 +53,40 @@ def accuracy(scores: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def evaluate(bodies: Sequence[nn.Module], heads: Sequence[nn.Module | None], x: torch.Tensor,
-             y: torch.Tensor, *, batch_size: int = 1024, ensemble: bool = False) -> dict:
+             y: torch.Tensor, *, batch_size: int = 1024, ensemble: bool = False,
+             loss: str = "cross_entropy") -> dict:
     """Evaluate the combined network ``heads[-1](bodies[-1](...bodies[0](x)))``.
 
     Args:
         bodies, heads: as in :func:`stage_logits`; ``heads[-1]`` is the output head and must
             not be ``None``.
-        x: inputs ``(n, *in_shape)`` (dtype of the model); y: int64 labels ``(n,)``.
-        ensemble: also report ``ensemble_acc`` (mean softmax of all non-``None`` heads).
+        x: inputs ``(n, *in_shape)`` (dtype of the model); y: int64 labels ``(n,)``
+            (cross-entropy) or float targets ``(n, D)`` (MSE).
+        ensemble: also evaluate the ensemble of all non-``None`` heads: ``ensemble_acc``
+            (argmax of the mean softmax; None for MSE) and, for MSE, ``ensemble_loss`` (MSE
+            of the mean of the heads' outputs).
+        loss: ``"cross_entropy"`` (default) or ``"mse"``.
 
     Returns:
-        ``{"loss": cross-entropy of the output head, "acc": its accuracy, "stage_acc": [accuracy
-        of each head or None], "ensemble_acc": ... (only if ensemble)}``.
+        ``{"loss": the output head's loss (cross-entropy, or MSE over samples and outputs),
+        "acc": its accuracy (None for MSE), "stage_loss" / "stage_acc": of each head (None for
+        a missing head; accuracies None for MSE), "ensemble_acc" (and for MSE
+        "ensemble_loss"): only if ensemble}``.
     """
     if heads[-1] is None:
         raise ValueError("the last stage needs an output head to evaluate the combined network")
+    mse = check_loss(loss) == "mse"
+    fn = mse_loss if mse else F.cross_entropy
+    acc = (lambda out: None) if mse else (lambda out: accuracy(out, y))
     logits = stage_logits(bodies, heads, x, batch_size)
-    res = {"loss": float(F.cross_entropy(logits[-1], y)), "acc": accuracy(logits[-1], y),
-           "stage_acc": [None if l is None else accuracy(l, y) for l in logits]}
+    res = {"loss": float(fn(logits[-1], y)), "acc": acc(logits[-1]),
+           "stage_loss": [None if l is None else float(fn(l, y)) for l in logits],
+           "stage_acc": [None if l is None else acc(l) for l in logits]}
     if ensemble:
-        res["ensemble_acc"] = accuracy(ensemble_probs([l for l in logits if l is not None]), y)
+        outs = [l for l in logits if l is not None]
+        if mse:
+            res["ensemble_acc"] = None
+            res["ensemble_loss"] = float(mse_loss(torch.stack(outs).mean(0), y))
+        else:
+            res["ensemble_acc"] = accuracy(ensemble_probs(outs), y)
     return res

@@ -11,6 +11,10 @@ frozen layer is never recomputed per epoch: the compute and memory saving of the
   inserted just below it; each stage trains (layer ``k`` + output head). The head must fit
   every layer's output shape.
 
+Every stage minimizes ``loss``: cross-entropy on class labels (default) or, with
+``loss="mse"``, the mean squared error on float regression targets ``(n, D)`` (the heads then
+output ``D`` values and no accuracy is recorded).
+
 Afterwards layer ``k`` is frozen (``requires_grad = False``, parameters bitwise unchanged from
 then on). Finally the output head is re-fitted on the cached top features for ``head_epochs``
 and, optionally, the whole network is fine-tuned end to end for ``finetune_epochs``. The
@@ -21,16 +25,24 @@ global batch (every sample is used; a replica whose shard is empty contributes z
 gradients are averaged, every replica holding the full feature cache. BatchNorm layers use the
 statistics of the global batch and update their running statistics identically on every
 replica; any other module whose buffers change in a training forward is refused with a
-``ValueError`` on every rank before its first step (:mod:`layerwise.replicas`). So ``R``
+``ValueError`` on every rank before its first step (:mod:`mgrit.parallel.replicas`). So ``R``
 replicas give the single-process result up to rounding.
 
 Memory: when a stage ends, the gradients of everything it trained are released (``.grad =
 None``; a frozen layer never needs them again) and its optimizer (momentum/Adam state) is
 dropped, so memory does not grow with the number of stages.
+
+The trainer is a :class:`~mgrit.training.method.TrainingMethod`: its schedule (the stages'
+epochs one after another, :attr:`SequentialTrainer.plan`) runs in the library's training loop,
+``Trainer(sequential, None, grid).fit(train, epochs=len(sequential.plan), ...)``, with the
+loop's batch schedule (epoch ``e`` of the whole schedule draws ``default_rng([seed, e])``),
+evaluation (of the stage's network on the cached test features), metrics and checkpoints
+(keys ``layers.{k}.*`` and ``heads.{k}.*``; a checkpoint taken inside a stage restores that
+stage's optimizer state when training resumes). :meth:`SequentialTrainer.fit` does this for
+you.
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Callable, Sequence
 
@@ -41,12 +53,18 @@ from mpi4py import MPI
 from torch import nn
 
 from mgrit.parallel.dataparallel import GradientBuckets
+from mgrit.parallel.procgrid import ProcessGrid
+from mgrit.parallel.replicas import ReplicaSync, refuse_unsynchronized
+from mgrit.training.faults import phase
+from mgrit.training.method import MethodOptimizer, TrainingMethod
+from mgrit.training.trainer import Trainer
 
-from .common import (check_float, check_int, global_batches, make_optimizer, module_dtype,
-                     output_shapes, release_gradients, shard, shard_loss)
+from .common import (check_float, check_int, check_loss, check_targets, correct_count,
+                     eval_loss, make_optimizer, module_dtype, no_nan, output_shapes,
+                     release_gradients, shard_loss)
 from .evaluate import accuracy
+from .features import FeatureCache
 from .heads import HeadSpec, check_head_fits, make_head
-from .replicas import ReplicaSync, refuse_unsynchronized
 
 __all__ = ["SequentialTrainer", "GROW_MODES"]
 
@@ -54,12 +72,13 @@ __all__ = ["SequentialTrainer", "GROW_MODES"]
 GROW_MODES = ("top", "before_output")
 
 
-class SequentialTrainer:
-    """Kim-style sequential trainer.
+class SequentialTrainer(TrainingMethod):
+    """Sequential layer-by-layer trainer (our reading of Kim 2019; see the module doc).
 
     Args:
         layers: the network's layers (trained in place), applied in order; one stage per layer.
-        num_classes: C.
+        num_classes: C, the number of classes (logits per head); with ``loss="mse"`` the output
+            dimension D of the heads (targets ``(n, D)``).
         in_shape: per-sample input shape.
         grow: ``"top"`` (fresh temporary head per layer) or ``"before_output"`` (one head kept).
         head: head kind or factory (:mod:`layerwise.heads`, default ``"linear"``).
@@ -70,17 +89,28 @@ class SequentialTrainer:
             ``epochs_per_layer`` of the last layer).
         finetune_epochs: epochs of end-to-end fine-tuning of everything at the end (default 0).
         finetune_lr: its learning rate (default ``lr``).
-        batch_size: global batch size (split over replicas).
-        seed: batch order (``default_rng([seed, epoch])``) and head initialisation.
-        data_comm: data-parallel communicator (default: none).
+        batch_size: global batch size (split over replicas; used by :meth:`fit`).
+        seed: batch order (``default_rng([seed, epoch])``, used by :meth:`fit`) and head
+            initialisation.
+        data_comm: data-parallel communicator (default: none); in a
+            :class:`~mgrit.training.Trainer` the grid's ``data_comm``.
         cache_batch_size: chunk size when advancing the feature cache (default 1024).
-        log: called with every epoch's metrics dict (default: nothing).
+        log: called with every epoch's metrics dict by :meth:`fit` (default: nothing).
+        loss: ``"cross_entropy"`` (default; int64 labels ``(n,)``) or ``"mse"`` (float targets
+            ``(n, D)``; accuracies None), see :data:`layerwise.common.LOSSES`.
+
+    Attributes:
+        layers, heads (``nn.ModuleList``), plan (the stage of every epoch: ``k``, ``"head"``
+        or ``"finetune"``), history (:meth:`fit`'s per-epoch dicts), stage_optimizer (the
+        optimizer of the stage being trained; None between stages), optimizer (its
+        checkpoint view), loss, loss_function (the per-sample loss ``fn(out, y, reduction)``
+        for the Trainer's evaluation: ``Trainer(seq, None, grid, loss=seq.loss_function)``).
 
     Raises:
-        ValueError: unknown ``grow``/``head``/``optimizer``; non-positive epochs, lr or
+        ValueError: unknown ``grow``/``head``/``optimizer``/``loss``; non-positive epochs, lr or
             batch size; a head that does not fit a layer's output shape; with replicas, a
             module other than BatchNorm whose buffers change in a training forward (on every
-            rank, :func:`layerwise.replicas.refuse_unsynchronized`).
+            rank, :func:`mgrit.parallel.replicas.refuse_unsynchronized`).
     """
 
     def __init__(self, layers: Sequence[nn.Module], num_classes: int, in_shape: Sequence[int], *,
@@ -90,9 +120,12 @@ class SequentialTrainer:
                  head_epochs: int | None = None, finetune_epochs: int = 0,
                  finetune_lr: float | None = None, batch_size: int = 64, seed: int = 0,
                  data_comm: MPI.Comm | None = None, cache_batch_size: int = 1024,
-                 log: Callable[[dict], None] | None = None):
-        self.layers = list(layers)
-        L = len(self.layers)
+                 log: Callable[[dict], None] | None = None, loss: str = "cross_entropy"):
+        super().__init__(MPI.COMM_SELF)
+        self.loss = check_loss(loss)
+        self.loss_function = eval_loss(loss)
+        layers = list(layers)
+        L = len(layers)
         if L < 1:
             raise ValueError("layers is empty: sequential training needs at least one layer")
         if grow not in GROW_MODES:
@@ -115,13 +148,13 @@ class SequentialTrainer:
         self.grow, self.seed, self.num_classes = grow, seed, num_classes
         self.data_comm = data_comm
         self.log = log
-        self.dtype = module_dtype(self.layers)
-        self.shapes = output_shapes(self.layers, tuple(in_shape), self.dtype)
-        self.heads: list[nn.Module] = []
+        self.dtype = module_dtype(layers)
+        self.shapes = output_shapes(layers, tuple(in_shape), self.dtype)
+        heads = []
         for k, shape in enumerate(self.shapes):
             if grow == "before_output" and k > 0:
                 try:
-                    check_head_fits(self.heads[0], shape, num_classes, what="the output head")
+                    check_head_fits(heads[0], shape, num_classes, what="the output head")
                 except ValueError as exc:
                     raise ValueError(f"grow='before_output' keeps one output head for every "
                                      f"layer, but layer {k}: {exc}") from None
@@ -129,10 +162,11 @@ class SequentialTrainer:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + 7919 * k)
                 try:
-                    self.heads.append(make_head(head, shape, num_classes, hidden=head_hidden,
-                                                dtype=self.dtype))
+                    heads.append(make_head(head, shape, num_classes, hidden=head_hidden,
+                                           dtype=self.dtype))
                 except ValueError as exc:
                     raise ValueError(f"layer {k}: {exc}") from None
+        self.layers, self.heads = nn.ModuleList(layers), nn.ModuleList(heads)
         self._names = {id(m): f"layers.{k}" for k, m in enumerate(self.layers)}
         self._names.update({id(h): f"heads.{k}" for k, h in enumerate(self.heads)})
         if data_comm is not None and data_comm.Get_size() > 1:
@@ -140,11 +174,18 @@ class SequentialTrainer:
             refuse_unsynchronized([self._sync([layer, self.heads[k if grow == "top" else 0]])
                                    for k, layer in enumerate(self.layers)], ins, self.dtype,
                                   data_comm)
+        self.plan = [k for k in range(L) for _ in range(self.epochs_per_layer[k])] \
+            + ["head"] * self.head_epochs + ["finetune"] * self.finetune_epochs
         self.history: list[dict] = []
         #: the optimizer of the stage being trained (None between stages: a finished stage's
         #: optimizer state is dropped)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._epoch = 0
+        self.stage_optimizer: torch.optim.Optimizer | None = None
+        self.optimizer = MethodOptimizer(
+            self.parameters(), lambda: [] if self.stage_optimizer is None else [self.stage_optimizer])
+        self._stage = self._sync_now = self._buckets = self._flags = None
+        self._mods: list = []  # the stage's modules (a list: not submodules of this one)
+        self._depth, self._epoch, self._train_ref = 0, 0, None
+        self._cache = FeatureCache(self.layers, self.cache_batch_size)  # frozen layers' outputs
 
     @property
     def output_head(self) -> nn.Module:
@@ -155,129 +196,224 @@ class SequentialTrainer:
         """The combined network: all layers then the output head (shares their parameters)."""
         return nn.Sequential(*self.layers, self.output_head)
 
-    def state_dict(self) -> dict:
-        return self.network.state_dict()
+    @property
+    def cached_features(self) -> torch.Tensor | None:
+        """Outputs of all layers for the training inputs of the latest fit (cached)."""
+        if self._train_ref is None:
+            return None
+        return self._cache.features(self._train_ref, len(self.layers))
 
-    def load_state_dict(self, state: dict) -> None:
-        self.network.load_state_dict(state)
-
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ stages
     def _sync(self, modules: Sequence[nn.Module]) -> ReplicaSync:
         return ReplicaSync(modules, self.data_comm, names=[self._names[id(m)] for m in modules])
 
-    def _cache_forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` in eval mode without a graph, ``cache_batch_size`` rows at a time."""
-        training = module.training
-        module.eval()
-        with torch.no_grad():
-            out = torch.cat([module(x[i:i + self.cache_batch_size])
-                             for i in range(0, len(x), self.cache_batch_size)])
-        module.train(training)
-        return out
+    @property
+    def _replicas(self) -> int:
+        return 1 if self.data_comm is None else self.data_comm.Get_size()
 
-    def _train_epoch(self, modules: Sequence[nn.Module], opt: torch.optim.Optimizer,
-                     feats: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        comm = self.data_comm
-        D = comm.Get_size() if comm is not None else 1
-        d = comm.Get_rank() if comm is not None else 0
-        net = nn.Sequential(*modules)
-        params = [p for p in net.parameters() if p.requires_grad]
-        buckets = GradientBuckets(params, comm) if D > 1 else None  # persistent flat buffers
-        sync = self._sync(modules) if D > 1 else None  # BatchNorm + buffer guard
-        net.train()
-        tot = np.zeros(3)
-        with sync if sync is not None else nullcontext():
-            for b in global_batches(len(y), self.batch_size, self.seed, self._epoch):
-                idx = torch.as_tensor(shard(b, d, D))
-                if sync is not None:
-                    sync.begin_step()
-                logits = net(feats[idx])
-                loss = shard_loss(logits, y[idx], len(b), D)
-                opt.zero_grad()
-                loss.backward()
-                if buckets is not None:
-                    sync.end_step()
-                    buckets.average()
-                opt.step()
-                scale = len(idx) if len(idx) * D == len(b) else len(b) / D  # loss -> summed loss
-                tot += (float(loss.detach()) * scale, int((logits.argmax(1) == y[idx]).sum()),
-                        len(idx))
-        if D > 1:
-            comm.Allreduce(MPI.IN_PLACE, [tot, MPI.DOUBLE], op=MPI.SUM)
-        self._epoch += 1
-        return tot[0] / max(tot[2], 1), tot[1] / max(tot[2], 1)
+    def _select(self, stage) -> None:
+        """The modules, input depth and learning rate of ``stage`` (no training state)."""
+        L = len(self.layers)
+        if stage == "head":
+            mods, depth = [self.output_head], L
+        elif stage == "finetune":
+            mods, depth = [*self.layers, self.output_head], 0
+        else:
+            mods, depth = [self.layers[stage], self.heads[stage if self.grow == "top" else 0]], stage
+        self._stage, self._mods, self._depth = stage, mods, depth
 
-    def _test_acc(self, modules, feats, y) -> float | None:
-        if feats is None:
-            return None
-        net = nn.Sequential(*modules)
-        training = [m.training for m in modules]
-        net.eval()
-        with torch.no_grad():
-            logits = torch.cat([net(feats[i:i + self.cache_batch_size])
-                                for i in range(0, len(feats), self.cache_batch_size)])
-        for m, t in zip(modules, training):
-            m.train(t)
-        return accuracy(logits, y)
-
-    def _run(self, stage, modules, lr, epochs, feats, y, test_feats, test_y) -> None:
-        """Train ``modules`` for ``epochs`` with a fresh optimizer; afterwards their gradients
-        are released and the optimizer (its state) is dropped."""
+    def _enter(self, stage) -> None:
+        """Start ``stage``: freeze the layers below it (original flags for fine-tuning), a
+        fresh optimizer (given a resumed checkpoint's state for it), gradient buffers and the
+        replica synchronization."""
+        self._finish()
+        if stage == "finetune":  # every layer trains again: cached features go stale
+            self._cache.clear()
+        if self._flags is None:
+            self._flags = [[p.requires_grad for p in layer.parameters()] for layer in self.layers]
+        self._select(stage)
+        for k, (layer, flags) in enumerate(zip(self.layers, self._flags)):
+            for p, f in zip(layer.parameters(), flags):
+                p.requires_grad_(f and (stage == "finetune" or k >= self._depth))
         name, momentum, wd = self.opt_args
-        params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(name, params, lr, momentum, wd)
-        try:
-            for _ in range(epochs):
-                t0 = time.perf_counter()
-                loss, acc = self._train_epoch(modules, self.optimizer, feats, y)
-                rec = {"stage": stage, "epoch": self._epoch, "loss": loss, "train_acc": acc,
-                       "test_acc": self._test_acc(modules, test_feats, test_y),
-                       "time": time.perf_counter() - t0}
-                self.history.append(rec)
-                if self.log is not None:
-                    self.log(rec)
-        finally:
-            self.optimizer = None
-            release_gradients(modules)
+        params = [p for m in self._mods for p in m.parameters() if p.requires_grad]
+        self.stage_optimizer = make_optimizer(name, params, self.finetune_lr if stage ==
+                                              "finetune" else self.lr, momentum, wd)
+        self.optimizer.adopt(self.stage_optimizer)
+        if self._replicas > 1:  # persistent flat buffers; BatchNorm + buffer guard
+            self._buckets = GradientBuckets(params, self.data_comm)
+            self._sync_now = self._sync(self._mods)
 
-    # ------------------------------------------------------------------ training
+    def _finish(self) -> None:
+        """End the stage being trained: its gradients released, its optimizer dropped."""
+        if self.stage_optimizer is not None:
+            self.stage_optimizer = self._buckets = self._sync_now = None
+            release_gradients(self._mods)
+
+    def _restore_flags(self) -> None:
+        if self._flags is not None:
+            for layer, flags in zip(self.layers, self._flags):
+                for p, f in zip(layer.parameters(), flags):
+                    p.requires_grad_(f)
+            self._flags = None
+
+    # ------------------------------------------------------------------ the Trainer's hooks
+    def begin_epoch(self, epoch: int, epochs: int, shards: Sequence[int] = ()) -> None:
+        """Enter the stage of ``epoch`` (``plan[epoch]``) if it is not the one in training.
+
+        Raises:
+            ValueError: ``epochs`` is not the length of :attr:`plan` (every rank)."""
+        if epochs != len(self.plan):
+            raise ValueError(f"sequential training runs its whole schedule: {len(self.plan)} "
+                             f"epochs ({len(self.layers)} layers x epochs per layer "
+                             f"{self.epochs_per_layer}, head re-fit {self.head_epochs}, "
+                             f"fine-tuning {self.finetune_epochs}), got epochs={epochs}")
+        stage = self.plan[epoch]
+        if epoch == 0:  # a new fit: features of earlier fits are stale
+            self._cache.clear()
+        if stage != self._stage or self.stage_optimizer is None:
+            self._enter(stage)
+        self._epoch, self._train_ref = epoch, None
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of the current stage's modules: the cached outputs of the frozen layers
+        below it (``x`` itself for the first layer and for fine-tuning)."""
+        if self._stage is None:
+            self._select(self.plan[0])
+        if self._train_ref is None and self.stage_optimizer is not None:
+            self._train_ref = x  # the loop asks for the training inputs first
+        return self._cache.features(x, self._depth)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, weight: float,
+                   after_backward: Callable[[], None]) -> tuple:
+        """One step of the current stage on this replica's shard (rows of :meth:`inputs`):
+        the shard's share of the global mean loss, backward, gradient averaging over the
+        replicas, optimizer step. Returns ``(mean loss, correct)`` of the shard (``(None,
+        None)`` if empty; ``correct`` None for MSE).
+
+        Raises:
+            ValueError: ``y`` not targets of :attr:`loss` (the same on every replica given
+                the same data, before any collective)."""
+        if self.stage_optimizer is None:
+            raise RuntimeError("train_step outside a stage: call begin_epoch first")
+        check_targets(y, self.loss, self.num_classes)
+        n, D = len(y), self._replicas
+        gb = round(n / weight) if n else 1
+        with self._sync_now if self._sync_now is not None else nullcontext():
+            if self._sync_now is not None:
+                self._sync_now.begin_step()
+            logits = self._apply(x)
+            loss = shard_loss(logits, y, gb, D, self.loss)
+            self.stage_optimizer.zero_grad()
+            loss.backward()
+            after_backward()
+            if self._buckets is not None:
+                self._sync_now.end_step()
+                with phase("gradient averaging"):
+                    self._buckets.average()
+        self.stage_optimizer.step()
+        if not n:
+            return None, None
+        value = float(loss.detach())
+        if n * D != gb:  # the shard's share of the global loss -> its mean
+            value = value * (gb / D) / n
+        return value, correct_count(logits, y, self.loss)
+
+    def end_epoch(self) -> None:
+        """After a stage's last epoch: release its gradients and optimizer and freeze its
+        layer; after the schedule's last epoch: restore the layers' ``requires_grad``."""
+        nxt = self._epoch + 1
+        if nxt == len(self.plan) or self.plan[nxt] != self.plan[self._epoch]:
+            self._finish()
+            if isinstance(self._stage, int):
+                for p in self.layers[self._stage].parameters():
+                    p.requires_grad_(False)
+        if nxt == len(self.plan):
+            self._restore_flags()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the current stage's network (its modules) on rows of :meth:`inputs`."""
+        if self._stage is None:
+            self._select(self.plan[0])
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self._mods:
+            x = m(x)
+        return x
+
+    # ------------------------------------------------------------------ standalone use
     def fit(self, x: torch.Tensor, y: torch.Tensor, test_x: torch.Tensor | None = None,
             test_y: torch.Tensor | None = None) -> list[dict]:
-        """Train all stages, re-fit the head, optionally fine-tune.
+        """Train all stages, re-fit the head, optionally fine-tune: :class:`mgrit.training.Trainer`
+        over :attr:`plan` (global batches of ``batch_size`` drawn with ``seed``; the replicas
+        of ``data_comm``).
 
         Args:
-            x: training inputs ``(n, *in_shape)`` in the layers' dtype; y: int64 labels ``(n,)``.
+            x: training inputs ``(n, *in_shape)`` in the layers' dtype; y: int64 labels ``(n,)``
+                (float targets ``(n, D)`` with ``loss="mse"``, cast to the layers' dtype).
             test_x, test_y: optional test set, evaluated after every epoch (on cached features).
 
         Returns:
             :attr:`history`: one dict per epoch ``{"stage": k | "head" | "finetune", "epoch",
-            "loss", "train_acc", "test_acc" (None without a test set), "time" (seconds)}``.
+            "loss", "train_acc", "test_acc", "test_loss" (None without a test set), "time"
+            (seconds)}``; accuracies are None for MSE.
+
+        Raises:
+            ValueError: targets of the wrong dtype or shape for :attr:`loss` (before any
+                communication).
         """
-        flags = [[p.requires_grad for p in layer.parameters()] for layer in self.layers]
-        feats, test_feats = x, test_x  # the cache: outputs of the frozen layers below
+        y = self._checked(y, "y")
+        test_y = None if test_y is None else self._checked(test_y, "test_y")
+        comm = MPI.COMM_SELF if self.data_comm is None else self.data_comm
+        grid = ProcessGrid(comm, data_parallel=comm.Get_size())
         try:
-            for k, layer in enumerate(self.layers):
-                head = self.heads[k if self.grow == "top" else 0]
-                self._run(k, [layer, head], self.lr, self.epochs_per_layer[k], feats, y,
-                          test_feats, test_y)
-                for p in layer.parameters():
-                    p.requires_grad_(False)
-                feats = self._cache_forward(layer, feats)
-                if test_feats is not None:
-                    test_feats = self._cache_forward(layer, test_feats)
-            self.cached_features = feats
-            self._run("head", [self.output_head], self.lr, self.head_epochs, feats, y,
-                      test_feats, test_y)
+            trainer = Trainer(self, None, grid, callbacks=[StageLog(self)],
+                              eval_batch_size=self.cache_batch_size, loss=self.loss_function)
+            trainer.fit((x, y), epochs=len(self.plan), batch_size=self.batch_size,
+                        seed=self.seed, test=None if test_x is None else (test_x, test_y))
         finally:
-            for layer, fl in zip(self.layers, flags):
-                for p, f in zip(layer.parameters(), fl):
-                    p.requires_grad_(f)
-        if self.finetune_epochs:
-            self._run("finetune", [*self.layers, self.output_head], self.finetune_lr,
-                      self.finetune_epochs, x, y, test_x, test_y)
+            grid.free()
         return self.history
 
+    def _checked(self, y, what: str) -> torch.Tensor:
+        y = torch.as_tensor(y)
+        check_targets(y, self.loss, self.num_classes, what)
+        return y.to(self.dtype) if self.loss == "mse" else y
+
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
-        """``{"loss", "acc"}`` of the combined network on ``x, y`` (recomputes all layers)."""
-        logits = self._cache_forward(self.network, x)
+        """``{"loss", "acc"}`` of the combined network on ``x, y`` (recomputes all layers):
+        cross-entropy and accuracy, or with ``loss="mse"`` the MSE (over samples and outputs)
+        and ``acc`` None.
+
+        Raises:
+            ValueError: ``y`` not targets of :attr:`loss`."""
+        y = self._checked(y, "y")
+        net = self.network
+        training = net.training
+        net.eval()
+        with torch.no_grad():
+            logits = torch.cat([net(x[i:i + self.cache_batch_size])
+                                for i in range(0, len(x), self.cache_batch_size)])
+        net.train(training)
+        if self.loss == "mse":
+            return {"loss": float(F.mse_loss(logits, y)), "acc": None}
         return {"loss": float(F.cross_entropy(logits, y)), "acc": accuracy(logits, y)}
+
+
+class StageLog:
+    """Trainer callback: appends every epoch's ``{"stage", "epoch", "loss", "train_acc",
+    "test_acc", "test_loss", "time"}`` to ``method.history`` and calls ``method.log`` with it
+    (accuracies None when the loop has none: MSE)."""
+
+    def __init__(self, method: SequentialTrainer):
+        self.method = method
+
+    def on_epoch_end(self, trainer, rec) -> None:
+        m = self.method
+        entry = {"stage": m.plan[rec.epoch - 1], "epoch": rec.epoch, "loss": rec.loss,
+                 "train_acc": rec.train_acc, "test_acc": no_nan(rec.test_acc),
+                 "test_loss": rec.test_loss, "time": rec.epoch_time + rec.eval_time}
+        m.history.append(entry)
+        if m.log is not None:
+            m.log(entry)

@@ -33,6 +33,11 @@ of the rank's input state itself, so the previous rank still gets it), both kind
 non-reentrant recomputation runs on every rank before any backward message), ``None``
 gradients for unused parameters, tied and frozen parameters (native autograd).
 
+Phase tags: the forward (checks, sweep, messages) runs inside ``model.phase_hook("pipelined
+forward")`` and each backward node inside ``model.phase_hook("pipelined adjoint")`` when the
+model has a hook (:attr:`~mgrit.nn.resnet.LayerParallelResNet.phase_hook`; the training
+runtime's fault handling sets it), so that an error there names its phase.
+
 Diagnostics: ``last_forward`` is a one-level :class:`~mgrit.solver.MGRITResult` with all the
 rank's states (stacked once per forward, as the solver's state array); ``last_backward`` holds
 only the adjoint at the rank's first layer input (row ``0`` at reversed point ``N - first``):
@@ -40,6 +45,7 @@ the backward keeps no other adjoint.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -53,6 +59,12 @@ from .bridge import _WHAT, _version, version_error
 __all__ = ["one_level", "pipelined_forward"]
 
 _TAG_STATE, _TAG_GRAD = 5001, 5002  # clear of the solver's (< 4,000) and _p2p's (>= 20,000)
+
+
+def _phase(model, name: str):
+    """``model.phase_hook(name)``, or no context when the model has no hook."""
+    hook = model.phase_hook
+    return contextlib.nullcontext() if hook is None else hook(name)
 
 
 def one_level(model, grad: bool) -> bool:
@@ -131,7 +143,8 @@ class _Enter(torch.autograd.Function):
         p = ctx.p
         if not p.need:  # no rank needs a gradient: no message either
             return None, None, None
-        p.send_grad(g, SolverStats())
+        with _phase(p.model, "pipelined adjoint"):
+            p.send_grad(g, SolverStats())
         return None, None, (g if p.prev is None and ctx.needs_input_grad[2] else None)
 
 
@@ -149,6 +162,11 @@ class _Exit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with _phase(ctx.p.model, "pipelined adjoint"):
+            return _Exit._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         p = ctx.p
         m = p.model
         error = None
@@ -180,6 +198,11 @@ class _Exit(torch.autograd.Function):
 
 def pipelined_forward(model, x0, batch: int) -> torch.Tensor:
     """The forward of ``model`` on the one-level path (grad mode: with its two nodes)."""
+    with _phase(model, "pipelined forward"):
+        return _forward(model, x0, batch)
+
+
+def _forward(model, x0, batch: int) -> torch.Tensor:
     stats = SolverStats()
     shape = model._fsolver.check_input(x0 if model.is_first else None,
                                        state_shape=(batch, *model.state_shape), stats=stats)

@@ -1,13 +1,35 @@
 """Calibration of the cost model (:mod:`mgrit.perf`) for a layer-parallel ResNet: each input of
-:class:`mgrit.perf.TrainCosts` timed on its own, on the machine at hand (:func:`chain_costs`:
-MGRIT's steps, adjoint, parameter-gradient sweep, solver bookkeeping; :func:`calibrate`: plus
-serial autograd slopes). ``experiments/bench_layerparallel.py`` calls it once per repeat,
-interleaved with the runs the model is validated against; :mod:`mgrit.perf.netcal` for the
-planner."""
+:class:`mgrit.perf.TrainCosts` timed on its own, on the machine at hand, through the code path
+a training step of the model runs (its options and :attr:`LayerParallelResNet.n_levels` decide):
+
+* **multilevel MGRIT** (both solves >= 2 levels): forward single steps from the stacked
+  snapshot (``ForwardChain.step``: coarse sweeps, one-interval F-relaxations) and batched steps
+  written in place into strided state rows (``step_batch_into``: F-relaxation); the adjoint's
+  steps of ``AdjointChain(closed_single=True)`` (closed-form single and batched VJPs); per
+  backward the adjoint's linearization (``act'(z)`` of every layer and its reversed copies),
+  the stacked parameter-gradient sweep (``stacked_gradients``) and the bridge's backward (the
+  engine's fan-out of the stacked gradients through ``torch.stack`` to each layer's
+  parameters); per forward ``ForwardChain.refresh(grad=True)`` (the stack recorded by
+  autograd) and the version snapshot of the layers' tensors;
+* **MGRIT forward, one-level adjoint** (``adjoint="serial"``, Kirby et al. 2020): the adjoint's
+  single steps through each layer's module with autograd (one graph per layer and solve), the
+  per-layer parameter-gradient loop, and a bridge with one autograd input per parameter;
+* **the one-level exact path** (:mod:`mgrit.nn.pipelined`; both solves one level): no solver at
+  all -- the rank's layers recorded by autograd, pipelined across ranks. Its per-layer forward
+  and backward costs and fixed costs are the slope and intercept of the real path, run on one
+  process over two depths of this rank's layers (:func:`pipelined_costs`).
+
+The solver's bookkeeping comes from solves with a free propagator (:func:`solver_overhead_fit`).
+``experiments/bench_layerparallel.py`` calls :func:`chain_costs` once per repeat, interleaved
+with the runs the model is validated against; :mod:`mgrit.perf.netcal` for the planner.
+``tests/test_perf.py`` records the chain methods a training step and its calibration call: a
+calibration that times a path the solver no longer takes fails there.
+"""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import statistics
 import warnings
 
@@ -16,19 +38,25 @@ import torch
 from mpi4py import MPI
 
 from . import model as perf
+from mgrit.grid import Hierarchy
+from mgrit.nn import LayerParallelResNet
 from mgrit.nn.chains import AdjointChain
+from mgrit.options import MGRITOptions
 from mgrit.propagator import Propagator
 from mgrit.solver import MGRIT
 
-__all__ = ["calibrate", "chain_costs", "solver_overhead", "solver_overhead_fit", "median_costs",
-           "p2_costs", "costs_to_json", "costs_from_json"]
+__all__ = ["calibrate", "chain_costs", "pipelined_costs", "solver_overhead",
+           "solver_overhead_fit", "median_costs", "p2_costs", "costs_to_json", "costs_from_json"]
 
 med = statistics.median
+_version = operator.attrgetter("_version")
+ONE = MGRITOptions(max_levels=1)
 
 
 class _Bridge(torch.autograd.Function):
-    """The autograd bridge's own cost: a Function with every parameter as an input whose
-    backward returns ready gradients (what the engine does around the adjoint solve)."""
+    """The autograd bridge's own cost: a Function whose inputs are the parameters (per-parameter
+    bridge) or the stacked parameters (stacked bridge) and whose backward returns ready
+    gradients -- what the engine does around the adjoint solve."""
 
     @staticmethod
     def forward(ctx, x, grads, *params):
@@ -41,13 +69,27 @@ class _Bridge(torch.autograd.Function):
 
 
 class _Null(Propagator):
-    """A free step (a copy): solving with it times the solver's own bookkeeping."""
+    """A free step: solving with it times the solver's own bookkeeping. Steps return a cached
+    tensor of zeros (no allocation, no arithmetic; the states stay zero), and a batched step
+    written in place writes nothing -- the kernel's own write is in the step costs."""
+
+    def __init__(self):
+        self._zeros = {}
+
+    def _z(self, like):
+        key = (tuple(like.shape), like.dtype)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros_like(like)
+        return self._zeros[key]
 
     def step(self, u, start, stop, level):
-        return u.clone()
+        return self._z(u)
 
     def step_batch(self, u, starts, stops, level):
-        return u.clone()
+        return self._z(u)
+
+    def step_batch_into(self, u, starts, stops, level, out) -> None:
+        pass
 
 
 def _nonneg_lstsq(rows, y):
@@ -69,6 +111,13 @@ def _nonneg_lstsq(rows, y):
     return best[1]
 
 
+def _null_solver(nn, shape, options, dtype, **changes):
+    opts = dataclasses.replace(options, **changes)
+    with warnings.catch_warnings():  # a one-level solve warns that it is sequential
+        warnings.simplefilter("ignore")
+        return MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
+
+
 def solver_overhead_fit(n, shape, options, timed, repeats=3, dtype=torch.float32):
     """MGRIT bookkeeping (level operations, state updates, residuals, set-up) from 1-rank
     solves with a free propagator: ``(StepCost(single, call, item), fixed)`` -- per single
@@ -80,10 +129,7 @@ def solver_overhead_fit(n, shape, options, timed, repeats=3, dtype=torch.float32
     rows, ys = [], []
 
     def run(nn, **changes):
-        opts = dataclasses.replace(options, **changes)
-        with warnings.catch_warnings():  # the one-level solve warns that it is sequential
-            warnings.simplefilter("ignore")
-            s = MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
+        s = _null_solver(nn, shape, options, dtype, **changes)
         st = s.solve(u0).stats
         rows.append([1.0, st.steps_single, st.steps_batched_calls, st.steps_batched_items])
         ys.append(med([timed(lambda: s.solve(u0)) for _ in range(repeats)]))
@@ -106,10 +152,7 @@ def solver_overhead(n, shape, options, timed, repeats=3, dtype=torch.float32):
     u0 = torch.zeros(shape, dtype=dtype)
 
     def run(nn, **changes):
-        opts = dataclasses.replace(options, **changes)
-        with warnings.catch_warnings():  # the one-level solve warns that it is sequential
-            warnings.simplefilter("ignore")
-            s = MGRIT(_Null(), nn, shape, dtype=dtype, options=opts, comm=MPI.COMM_SELF)
+        s = _null_solver(nn, shape, options, dtype, **changes)
         st = s.solve(u0).stats
         return med([timed(lambda: s.solve(u0)) for _ in range(repeats)]), st
     t1, st1 = run(n, max_levels=1, max_iter=1)
@@ -142,57 +185,100 @@ def _timer(clock):
     return timed
 
 
+def _levels(lp, options: MGRITOptions, reverse: bool) -> int:
+    part = lp.partition.reversed() if reverse else lp.partition
+    return Hierarchy(part, lp.comm.Get_rank(), options.cfactor, options.max_levels,
+                     options.min_coarse).n_levels
+
+
+def _strided(B: int, like: torch.Tensor):
+    """Disjoint strided row sets ``(sources, targets)`` of ``B`` rows of one state array, as
+    F-relaxation reads and writes them (every other row here)."""
+    S = torch.randn(2 * B + 1, *like.shape, dtype=like.dtype, device=like.device)
+    return S[0:2 * B:2], S[1:2 * B + 1:2]
+
+
 def chain_costs(lp, x, m, clock, repeats=3, inner=20, solver_options=None, per_layer_opt=0.0,
-                refresh=0.0, pgrad_batched=True) -> perf.TrainCosts:
-    """The MGRIT part of :class:`mgrit.perf.TrainCosts` for this rank's layers of ``lp`` (a
-    :class:`~mgrit.nn.LayerParallelResNet` after one forward, whose states are used) at the
-    batch of ``x`` (``(batch, *state_shape)``): batched and single forward / adjoint steps over
-    intervals strided by ``m`` as the solver calls them (inputs allocated outside the timed
-    calls), the parameter-gradient sweep (incl. the adjoint's linearization) and the autograd
-    bridge per layer; with ``solver_options`` (the forward solve's MGRITOptions) the solver's
-    bookkeeping (:func:`solver_overhead_fit` on this rank's layers) is added to the step costs
-    and gives ``solve_fixed``. ``pgrad_batched``: time the batched parameter-gradient sweep
-    (multi-level adjoints) or the per-layer one (one-level adjoints, the exact path). Serial
-    fields are 0 (:func:`calibrate` adds them)."""
+                backward: MGRITOptions | None = None) -> perf.TrainCosts:
+    """The layer-parallel part of :class:`mgrit.perf.TrainCosts` for this rank's layers of ``lp``
+    (a :class:`~mgrit.nn.LayerParallelResNet` after one training forward, whose states are
+    used) at the batch of ``x`` (``(batch, *state_shape)``), each timed through the path a
+    training step of ``lp`` runs (see the module docstring): ``lp``'s forward options, and its
+    backward options or ``backward`` (e.g. ``MGRITOptions(max_levels=1)``: Kirby's serial
+    adjoint after the same forward). Batched calls over intervals strided by ``m`` as the
+    solver makes them (inputs allocated outside the timed calls). With ``solver_options``
+    (the forward solve's MGRITOptions) the solver's bookkeeping (:func:`solver_overhead_fit` on
+    this rank's layers) is added to the step costs and gives ``solve_fixed``. When both solves
+    have one level only the exact path's fields (``pipe_*``, :func:`pipelined_costs`) are
+    timed. Serial fields are 0 (:func:`calibrate` adds them). Collective-free: ranks may
+    calibrate at once or one at a time. ``per_layer_opt``: the optimizer step per layer."""
+    bwd = lp.bwd_opts if backward is None else backward
+    nbytes = x.numel() * x.element_size()
+    zero = perf.StepCost(0.0, 0.0, 0.0)
+    if _levels(lp, lp.fwd_opts, False) == 1 and _levels(lp, bwd, True) == 1:
+        pf, pb, ff, fb = pipelined_costs(lp, x, clock, repeats)
+        return perf.TrainCosts(fwd=zero, adj=zero, serial_fwd=0.0, serial_bwd=0.0,
+                               per_layer=per_layer_opt, nbytes=nbytes, pipe_fwd=pf, pipe_bwd=pb,
+                               pipe_fwd_fixed=ff, pipe_bwd_fixed=fb)
     timed = _timer(clock)
-    ch, N, first, n = lp._chain, lp.n_layers, lp.first, len(lp.steps)
+    ch, N, first, n = lp.chain, lp.n_layers, lp.first, len(lp.steps)
     sizes = [B for B in (2, 8, 32, 64) if B < n - 1]
     sizes = sizes if len(sizes) >= 2 else [1, 2]  # a short block: the fit needs two sizes
     # intervals strided by m as the solver's calls; a smaller stride where B * m does not fit
     sd = {B: (m if B * m < n else max(1, (n - 2) // B)) for B in sizes}
-    U = {B: torch.randn(B, *x.shape, dtype=x.dtype) for B in sizes}
+    rows = {B: _strided(B, x) for B in sizes}
     u1 = torch.randn(*x.shape, dtype=x.dtype)
     i0 = N - first - n + 1  # reversed index of this rank's last layer + 1
     kw = dict(sizes=sizes, repeats=repeats, inner=inner, clock=clock)
-    with torch.no_grad():
-        # single steps as sequential sweeps apply them (one-interval F-relaxations, coarse
-        # sweeps): consecutive layers; the adjoint builds each layer's graph once per solve (a
-        # fresh chain per step)
-        cs = itertools.cycle(range(n))
-        fwd = perf.calibrate_step(
-            lambda: ch.step(u1, *(lambda j: (first + j, first + j + 1))(next(cs)), 0),
-            lambda B: ch.step_batch(U[B], range(first + 1, first + 1 + B * sd[B], sd[B]),
-                                    range(first + 2, first + 2 + B * sd[B], sd[B]), 0), **kw)
-        adj = AdjointChain(ch, N, lp._states)
-        adj_cost = perf.calibrate_step(
-            lambda: AdjointChain(ch, N, lp._states).step(
-                u1, *(lambda i: (i, i + 1))(N - 1 - first - next(cs)), 0),
-            lambda B: adj.step_batch(U[B], range(i0, i0 + B * sd[B], sd[B]),
-                                     range(i0 + 1, i0 + 1 + B * sd[B], sd[B]), 0), **kw)
-    lam = torch.randn(n, *x.shape, dtype=x.dtype)
-    pg = med([timed(lambda: AdjointChain(ch, N, lp._states).parameter_gradients(lam, pgrad_batched))
-              for _ in range(repeats)])
-    params = list(lp.parameters())
-    grads = [torch.zeros_like(q) for q in params]
+    # the bridge's inputs: the stacked parameters (multilevel batched adjoint) or each one
+    multi = _levels(lp, bwd, True) > 1
+    stacked = ch.batched and bwd.batched and bwd.max_levels > 1
+    names = [k for k, _ in lp.steps[0].named_parameters()] if stacked else []
+    checked = [*lp.steps.parameters(), *lp.steps.buffers()]
 
-    def bridge():
-        for q in params:
-            q.grad = None
-        _Bridge.apply(x, grads, *params).sum().backward()
-    bridge()
-    br = med([timed(bridge) for _ in range(repeats)])
-    for q in params:
-        q.grad = None
+    def snapshot():  # the forward's side of the bridge (MGRITFunction.apply and its solve)
+        tuple(map(_version, checked))
+        return ch.refresh(grad=True) if stacked else ch.refresh()
+    refresh = med([timed(snapshot) for _ in range(repeats)]) / n
+    snap = snapshot()  # as the solve and the adjoint see it
+    tensors = {k: t.detach() for k, t in snap.items()}
+    states = lp.last_states
+
+    def adjoint():
+        return AdjointChain(ch, N, states, tensors, closed_single=multi)
+    fresh = itertools.cycle(range(n))
+    with torch.no_grad():
+        # forward: single steps as sequential sweeps apply them (consecutive layers), batched
+        # steps written into strided rows of the state array (F-relaxation)
+        fwd = perf.calibrate_step(
+            lambda: ch.step(u1, *(lambda j: (first + j, first + j + 1))(next(fresh)), 0),
+            lambda B: ch.step_batch_into(rows[B][0], range(first + 1, first + 1 + B * sd[B], sd[B]),
+                                         range(first + 2, first + 2 + B * sd[B], sd[B]), 0,
+                                         rows[B][1]), **kw)
+        adj = adjoint()
+        if multi:  # closed-form single steps on one chain per solve
+            single = lambda i: adj.step(u1, i, i + 1, 0)  # noqa: E731
+        else:  # autograd through the layer's module: its graph is built once per solve
+            single = lambda i: adjoint().step(u1, i, i + 1, 0)  # noqa: E731
+        adj_cost = perf.calibrate_step(
+            lambda: single(N - 1 - first - next(fresh)),
+            lambda B: adj.step_batch_into(rows[B][0], range(i0, i0 + B * sd[B], sd[B]),
+                                          range(i0 + 1, i0 + 1 + B * sd[B], sd[B]), 0,
+                                          rows[B][1]), **kw)
+        # once per adjoint solve: linearization (act'(z) of every layer) and reversed copies,
+        # made by the first batched step of a fresh chain
+        B0 = sizes[0]
+        first_call = lambda: adjoint().step_batch_into(  # noqa: E731
+            rows[B0][0], range(i0, i0 + B0 * sd[B0], sd[B0]),
+            range(i0 + 1, i0 + 1 + B0 * sd[B0], sd[B0]), 0, rows[B0][1])
+        setup = max(med([timed(first_call) for _ in range(repeats)]) - adj_cost.batched(B0), 0.0)
+    lam = torch.randn(n, *x.shape, dtype=x.dtype)
+    if stacked:
+        sweep = lambda: adj.stacked_gradients(lam)  # noqa: E731
+    else:
+        sweep = lambda: adjoint().parameter_gradients(lam, bwd.batched and multi)  # noqa: E731
+    pg = med([timed(sweep) for _ in range(repeats)])
+    br = _bridge_backward(lp, x, names, timed, repeats)
     fixed = 0.0
     if solver_options is not None:
         o, fixed = solver_overhead_fit(n, tuple(x.shape), solver_options,
@@ -200,25 +286,98 @@ def chain_costs(lp, x, m, clock, repeats=3, inner=20, solver_options=None, per_l
         fwd, adj_cost = (perf.StepCost(c.single + o.single, c.call + o.call, c.item + o.item)
                          for c in (fwd, adj_cost))
     return perf.TrainCosts(fwd=fwd, adj=adj_cost, serial_fwd=0.0, serial_bwd=0.0,
-                           pgrad_item=(pg + br) / n, per_layer=per_layer_opt, refresh=refresh,
-                           nbytes=x.numel() * x.element_size(), solve_fixed=fixed)
+                           pgrad_item=(pg + br + (setup if multi else 0.0)) / n,
+                           per_layer=per_layer_opt, refresh=refresh, nbytes=nbytes,
+                           solve_fixed=fixed)
 
 
-def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, repeats=3,
+def _bridge_backward(lp, x, names, timed, repeats) -> float:
+    """Seconds of the bridge's backward: the engine hands ready gradients from one node to the
+    leaves -- through ``torch.stack``'s node to each layer's parameters (``names``: the stacked
+    parameter names) or, with ``names`` empty, one input per parameter -- plus the version
+    check of the layers' tensors. The graph is built outside the timing."""
+    ch = lp.chain
+    checked = [*lp.steps.parameters(), *lp.steps.buffers()]
+    params = list(lp.steps.parameters())
+
+    def build():
+        for q in params:
+            q.grad = None
+        if names:
+            snap = ch.refresh(grad=True)
+            ins = [snap[k] for k in names]
+        else:
+            ins = params
+        grads = [torch.zeros_like(t) if t.requires_grad else None for t in ins]
+        return _Bridge.apply(x, grads, *ins).sum()
+
+    def run(out):
+        tuple(map(_version, checked))
+        out.backward()
+    run(build())  # warm-up
+    ts = []
+    for _ in range(repeats):
+        out = build()
+        ts.append(timed(lambda: run(out)))
+    for q in params:
+        q.grad = None
+    return med(ts)
+
+
+def pipelined_costs(lp, x, clock, repeats=3) -> tuple[float, float, float, float]:
+    """``(per-layer forward, per-layer backward, fixed forward, fixed backward)`` seconds of the
+    one-level exact path (:mod:`mgrit.nn.pipelined`) over this rank's layers of ``lp`` at the
+    batch of ``x``: the real path run on one process (a ``LayerParallelResNet`` on
+    ``COMM_SELF`` sharing ``lp``'s step modules, both solves one level) at ``n // 4`` and ``n``
+    layers, training forward (autograd records the layers) and its backward from a fixed
+    output gradient; per layer the slope, fixed the intercept (clipped at 0). Messages between
+    ranks are the model's (``CommCost``), not in these costs. Leaves ``.grad`` of ``lp``'s
+    parameters ``None``."""
+    timed = _timer(clock)
+    n, steps = len(lp.steps), list(lp.steps)
+    depths = sorted({max(1, n // 4), n})
+    g = torch.randn_like(x)
+    params = list(lp.steps.parameters())
+    tf, tb = {}, {}
+    for d in depths:
+        net = LayerParallelResNet(steps[:d], d, lp.state_shape, T=d * lp.h, forward=ONE,
+                                  backward=ONE, warm_start=False)
+        out = net(x)
+        out.backward(g)  # warm-up
+        fs, bs = [], []
+        for _ in range(repeats):
+            for q in params:
+                q.grad = None
+            box = []
+            fs.append(timed(lambda: box.append(net(x))))
+            bs.append(timed(lambda: box[0].backward(g)))
+        tf[d], tb[d] = med(fs), med(bs)
+    for q in params:
+        q.grad = None
+    if len(depths) == 1:
+        d = depths[0]
+        return tf[d] / d, tb[d] / d, 0.0, 0.0
+    a, b = depths
+    sf, sb = (tf[b] - tf[a]) / (b - a), (tb[b] - tb[a]) / (b - a)
+    sf, sb = max(sf, 0.0), max(sb, 0.0)
+    return sf, sb, max(tf[b] - b * sf, 0.0), max(tb[b] - b * sb, 0.0)
+
+
+def calibrate(serial_layers, lp, x, m, per_layer_opt, loss_fn, clock, repeats=3,
               inner=20, solver_options=None, one_at_a_time=None) -> perf.TrainCosts:
     """Costs of the model (mgrit.perf.TrainCosts) of this rank's layers, each piece timed on
-    its own: :func:`chain_costs` (MGRIT's steps, parameter-gradient sweep, bridge, and with
-    ``solver_options`` the solver's bookkeeping) and the serial per-layer costs as slopes over
-    depths 64..512 of ``serial_layers`` (the two largest of ``n/4, n/2, n`` when fewer than two
-    fit). ``per_layer_opt``/``refresh``: optimizer step and parameter stacking per layer, timed
-    separately by the caller. Called once per repeat, interleaved with the measured runs (and,
-    for P = 2, on both ranks at once), so that costs and measurements see the same machine
-    state. ``loss_fn(output)``: the scalar loss of the serial layers' output; ``clock``:
-    ``time.perf_counter`` or ``time.process_time``. ``one_at_a_time(fn)``: runs ``fn`` on each
-    rank in turn while the others wait (the serial slopes are then timed as a blocking chain
-    runs: one rank computing at a time); default: call ``fn`` directly."""
+    its own: :func:`chain_costs` (the path ``lp`` runs: MGRIT's steps, parameter-gradient
+    sweep, snapshot and bridge, with ``solver_options`` the solver's bookkeeping; or the exact
+    path) and the serial per-layer costs as slopes over depths 64..512 of ``serial_layers``
+    (the two largest of ``n/4, n/2, n`` when fewer than two fit). ``per_layer_opt``: the
+    optimizer step per layer, timed by the caller. Called once per repeat, interleaved with the
+    measured runs (and, for P = 2, on both ranks at once), so that costs and measurements see
+    the same machine state. ``loss_fn(output)``: the scalar loss of the serial layers' output;
+    ``clock``: ``time.perf_counter`` or ``time.process_time``. ``one_at_a_time(fn)``: runs
+    ``fn`` on each rank in turn while the others wait (the serial slopes are then timed as a
+    blocking chain runs: one rank computing at a time); default: call ``fn`` directly."""
     timed = _timer(clock)
-    c = chain_costs(lp, x, m, clock, repeats, inner, solver_options, per_layer_opt, refresh)
+    c = chain_costs(lp, x, m, clock, repeats, inner, solver_options, per_layer_opt)
     fwd_t, train_t = {}, {}
     L = len(serial_layers)
     depths = [d for d in (64, 128, 256, 512) if d <= L]
@@ -240,12 +399,17 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, refresh, loss_fn, clock, r
 def median_costs(cs, reduce=med):
     """Field-wise median (or ``reduce``, e.g. ``max``) of several TrainCosts: the median over
     repeats; over ranks, ``max`` (the critical path waits for the slower rank)."""
-    step = lambda name: perf.StepCost(*(reduce([getattr(getattr(c, name), f) for c in cs])  # noqa: E731
-                                        for f in ("single", "call", "item")))
-    return perf.TrainCosts(fwd=step("fwd"), adj=step("adj"),
-                           **{f: reduce([getattr(c, f) for c in cs])
-                              for f in ("serial_fwd", "serial_bwd", "pgrad_item", "per_layer",
-                                        "refresh", "solve_fixed")}, nbytes=cs[0].nbytes)
+    out = {}
+    for f in dataclasses.fields(perf.TrainCosts):
+        v = getattr(cs[0], f.name)
+        if isinstance(v, perf.StepCost):
+            out[f.name] = perf.StepCost(*(reduce([getattr(getattr(c, f.name), k) for c in cs])
+                                          for k in ("single", "call", "item")))
+        elif f.name == "nbytes":
+            out[f.name] = v
+        else:
+            out[f.name] = reduce([getattr(c, f.name) for c in cs])
+    return perf.TrainCosts(**out)
 
 
 def costs_to_json(c):
@@ -259,7 +423,9 @@ def costs_from_json(d):
 
 def p2_costs(per_rank):
     """Costs for the P = 2 model from both ranks' calibrations: MGRIT's (ranks work at once,
-    the critical path waits for the slower one) field-wise max; the serial costs (the blocking
-    chain's ranks work in turn, so their times add up) the mean."""
+    the critical path waits for the slower one) field-wise max; the costs of chains whose
+    ranks work in turn (serial autograd, the exact path's layers), so that their times add up,
+    the mean."""
     slow, mean = median_costs(per_rank, max), median_costs(per_rank)
-    return dataclasses.replace(slow, serial_fwd=mean.serial_fwd, serial_bwd=mean.serial_bwd)
+    return dataclasses.replace(slow, **{f: getattr(mean, f) for f in (
+        "serial_fwd", "serial_bwd", "pipe_fwd", "pipe_bwd")})

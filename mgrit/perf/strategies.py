@@ -16,8 +16,9 @@ replicas, each replica a shard ``ceil(b / P_D)`` of the batch):
   are non-blocking: a stage does not wait for its own sends); plus the Allreduce of a stage's
   gradients over the replicas;
 * MGRIT (``P_L >= 2``): head + forward solve + tail forward/backward + adjoint solve +
-  parameter-gradient sweep + head backward (the :func:`mgrit.perf.model.simulate` replay's
-  critical paths with the step costs at the shard size), plus the replicas' Allreduce.
+  parameter-gradient sweep + head backward (:func:`mgrit.perf.model.resnet_times`: the
+  replay's critical paths with the step costs at the shard size; the one-level exact path's
+  pipelined chain when both solves have one level), plus the replicas' Allreduce.
 
 Allreduce of ``n`` bytes over ``p`` ranks: ``2 ceil(log2 p) alpha + 2 (p - 1) / p * n / B``
 (latency of recursive doubling, bandwidth of a ring; Thakur et al. 2005). Pure functions of the
@@ -27,12 +28,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from ..grid import Partition
 from ..options import MGRITOptions
-from .model import CommCost, TrainCosts, simulate
+from .model import CommCost, TrainCosts, resnet_times
 
 __all__ = ["Curve", "NetCosts", "allreduce_time", "flow_shop", "serial_step", "data_parallel_step",
            "gpipe_step", "best_gpipe", "mgrit_step", "grids", "netcosts_to_json",
@@ -181,18 +182,16 @@ def mgrit_step(c: NetCosts, b: int, P_L: int, fwd: MGRITOptions, bwd: MGRITOptio
         raise ValueError("NetCosts.mgrit is None: no MGRIT costs were calibrated")
     shard = _shard(b, P_D)
     tc = c.mgrit(shard)
-    nb = shard * c.state_bytes
+    tc = replace(tc, nbytes=shard * c.state_bytes)
     n_loc = _shard(c.n_layers, P_L)
-    f = simulate(c.n_layers, P_L, fwd, K_f, None, tc.fwd, comm, nb).critical_path
-    bk = simulate(c.n_layers, P_L, bwd, K_b, None, tc.adj, comm, nb).critical_path
-    # two small agreements per step: the network's input check and the backward's
-    agree = 2 * comm.message(64) * max(1, math.ceil(math.log2(P_L))) if P_L > 1 else 0.0
-    f += n_loc * tc.refresh + c.head_fwd(shard) + c.tail_fwd(shard)
-    bk += n_loc * tc.pgrad_item + agree + (c.head_fb(shard) - c.head_fwd(shard)) + \
-        (c.tail_fb(shard) - c.tail_fwd(shard))
-    train = (f + bk + 2 * tc.solve_fixed + c.step_fixed + n_loc * tc.per_layer + c.opt_other
+    f, bk = resnet_times(c.n_layers, P_L, tc, fwd, bwd, K_f, K_b, comm)
+    # one more small agreement per step: the network's input check (the backward's is in bk)
+    agree = comm.message(64) * max(1, math.ceil(math.log2(P_L))) if P_L > 1 else 0.0
+    f += c.head_fwd(shard) + c.tail_fwd(shard)
+    bk += agree + (c.head_fb(shard) - c.head_fwd(shard)) + (c.tail_fb(shard) - c.tail_fwd(shard))
+    train = (f + bk + c.step_fixed + n_loc * tc.per_layer + c.opt_other
              + allreduce_time(n_loc * c.layer_bytes + c.other_bytes, P_D, comm))
-    return {"forward": f + tc.solve_fixed, "backward": bk + tc.solve_fixed, "train": train}
+    return {"forward": f, "backward": bk, "train": train}
 
 
 def grids(P: int, N: int, b: int) -> list:

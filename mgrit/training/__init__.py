@@ -1,15 +1,19 @@
 """The training runtime: one training loop for layer-parallel and serial networks, with
 data-parallel replicas, checkpoints, the convergence guard, fault reports and run output.
 
-Public names: :class:`Trainer` (``step``, ``evaluate``, ``fit``, ``save``, ``load``), its
-records :class:`FitResult`, :class:`StepRecord`, :class:`EpochRecord`, :class:`FitPlan`, the
-shipped callbacks :class:`ConvergenceGuard`, :class:`ProgressBar`, :class:`ConsoleLog`,
-:class:`MetricsWriter`, and :func:`fail_fast`. Modules: ``trainer`` (the loop), ``epoch``,
-``schedule`` (batches, shards), ``nets`` (one interface for LayerParallelNet and serial
-modules), ``callbacks``, ``metrics``, ``checkpoint`` (+ ``checkpoint_io``, ``ckpt_match``),
-``guard``, ``faults`` (phases, one-line failure reports), ``models`` (registry of the main
-job's networks), ``jobconfig`` + ``cli`` + ``job`` (the main job), ``report``, ``guenther``,
-``mgopt`` (MG/Opt).
+Public names: :class:`Trainer` (``step``, ``evaluate``, ``fit``, ``save``, ``load``), the
+extension point :class:`TrainingMethod` (a training scheme other than one network and one
+optimizer: the layer-wise methods), the records :class:`FitResult` and :class:`StepRecord`
+(also ``records.EpochRecord``, ``records.FitPlan``), the shipped callbacks
+:class:`ConvergenceGuard` (residual growth, NaN names the layer), :class:`BiasMonitor` (inexact
+gradients' bias against their noise; raises the solve accuracy or switches to serial),
+:class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
+Modules: ``trainer`` (the loop), ``method`` (``TrainingMethod``, ``MethodOptimizer``),
+``epoch``, ``schedule`` (batches, shards), ``nets`` (one interface for LayerParallelNet and
+serial modules), ``callbacks``, ``metrics``, ``checkpoint`` (+ ``checkpoint_io``,
+``ckpt_match``), ``guard``, ``bias`` (+ ``bias_estimate``), ``faults`` (phases, one-line
+failure reports), ``models`` (registry of the main job's networks), ``jobconfig`` + ``cli`` +
+``job`` (the main job), ``report``, ``guenther``, ``mgopt`` (MG/Opt, Nash 2000).
 
 Depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`; never
 imported by them, and never imports ``experiments``; only ``job`` (the main job's composition,
@@ -40,12 +44,14 @@ One step, through the modules::
      epoch end: allreduce totals, evaluate(test), EpochRecord -> on_epoch_end (metrics.h5),
                 checkpoint.save_checkpoint (atomic, weights-only contents)  [grid.comm]
 """
+from .bias import BiasMonitor
 from .callbacks import ConsoleLog, ProgressBar
 from .faults import fail_fast
 from .guard import ConvergenceGuard
+from .method import TrainingMethod
 from .metrics import MetricsWriter
-from .records import EpochRecord, FitPlan, FitResult, StepRecord
+from .records import FitResult, StepRecord
 from .trainer import Trainer
 
-__all__ = ["Trainer", "FitResult", "StepRecord", "EpochRecord", "FitPlan", "ConvergenceGuard",
-           "ProgressBar", "ConsoleLog", "MetricsWriter", "fail_fast"]
+__all__ = ["Trainer", "TrainingMethod", "FitResult", "StepRecord", "ConvergenceGuard",
+           "BiasMonitor", "ProgressBar", "ConsoleLog", "MetricsWriter", "fail_fast"]

@@ -27,6 +27,9 @@ entry (1-based, default 1) of that phase on that rank. Example::
 
 Phase names used by the library (:data:`PHASES`): ``"forward relaxation"``, ``"coarse solve"``
 (forward MGRIT; see :func:`instrument_resnet`), ``"adjoint"`` (the backward solve),
+``"pipelined forward"`` / ``"pipelined adjoint"`` (the one-level exact path of
+:mod:`mgrit.nn.pipelined`, which runs no MGRIT solve: its forward sweep and messages / its
+backward's checks, agreement and gradient messages),
 ``"data loading"``, ``"gradient averaging"`` and ``"evaluation"`` (the training loop),
 ``"checkpoint"`` (:mod:`mgrit.training.checkpoint`), ``"run directory"`` and ``"model setup"``
 (the main job). Each has a default hint of what to do (:data:`HINTS`); ``phase(name, hint=...)``
@@ -58,8 +61,9 @@ __all__ = ["PHASES", "HINTS", "phase", "current_phase", "fail_fast", "failure_li
            "ENV"]
 
 ENV = "LAYERPAR_INJECT_FAULT"
-PHASES = ("forward relaxation", "coarse solve", "adjoint", "data loading", "gradient averaging",
-          "evaluation", "checkpoint", "run directory", "model setup")
+PHASES = ("forward relaxation", "coarse solve", "adjoint", "pipelined forward", "pipelined adjoint",
+          "data loading", "gradient averaging", "evaluation", "checkpoint", "run directory",
+          "model setup")
 
 _DIVERGED = ("if it is a NaN/Inf: lower the learning rate, iterate MGRIT to a tolerance (exact "
              "mode) or use the convergence guard")
@@ -68,6 +72,12 @@ HINTS = {
     "forward relaxation": f"a step module or the forward MGRIT solve failed; {_DIVERGED}",
     "coarse solve": f"the coarse-grid MGRIT solve failed; {_DIVERGED}",
     "adjoint": f"the adjoint (backward) MGRIT solve failed; {_DIVERGED}",
+    "pipelined forward": "a step module or a state message failed in the one-level exact "
+                         "forward (layers swept in order, pipelined across ranks); if it is a "
+                         "NaN/Inf: lower the learning rate",
+    "pipelined adjoint": "the one-level exact backward failed (its checks, the agreement "
+                         "between ranks or a gradient message): every rank must backpropagate "
+                         "the same forwards; do not change parameters in place before backward",
     "data loading": "check that the data set files exist, are complete and in the expected "
                     "format",
     "gradient averaging": "the replicas disagree (parameters changed shape, dtype or device?)",
@@ -313,7 +323,8 @@ def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1, *, log_dir=None,
 def instrument_solver(solver, relax_phase: str, coarse_phase: str | None = None) -> None:
     """Wrap ``solver.solve`` and its recursive ``_cycle`` (instance attributes, the class is
     untouched) so that work on the coarsest level runs in ``coarse_phase`` and everything else
-    in ``relax_phase``. Idempotent."""
+    in ``relax_phase``. Idempotent. (The one patch of a private method left: the solver has no
+    public per-level hook yet.)"""
     if getattr(solver, "_layerpar_phases", None) == (relax_phase, coarse_phase):
         return
     cls = type(solver)
@@ -324,7 +335,7 @@ def instrument_solver(solver, relax_phase: str, coarse_phase: str | None = None)
             return cls.solve(solver, *args, **kwargs)
 
     def _cycle(l, *args, **kwargs):
-        name = coarse_phase if solver._st[l].lv.is_coarsest else relax_phase
+        name = coarse_phase if solver.hierarchy.levels[l].is_coarsest else relax_phase
         with phase(name):
             return cls._cycle(solver, l, *args, **kwargs)
 
@@ -334,8 +345,10 @@ def instrument_solver(solver, relax_phase: str, coarse_phase: str | None = None)
 
 def instrument_resnet(resnet) -> None:
     """Tag the forward solve of a :class:`~mgrit.nn.LayerParallelResNet` as
-    ``"forward relaxation"`` / ``"coarse solve"`` and the backward solve as ``"adjoint"``.
-    Re-applied automatically by :func:`mgrit.training.guard.apply_action` after it rebuilds solvers."""
-    instrument_solver(resnet._fsolver, "forward relaxation", "coarse solve")
-    instrument_solver(resnet._bsolver, "adjoint", "adjoint")
-    resnet._layerpar_instrumented = True
+    ``"forward relaxation"`` / ``"coarse solve"`` and the backward solve as ``"adjoint"``;
+    the one-level exact path (no solve) as ``"pipelined forward"`` / ``"pipelined adjoint"``
+    through the model's public ``phase_hook``. Re-applied automatically by
+    :func:`mgrit.training.nets.replace_solver` after it rebuilds a solver. Idempotent."""
+    instrument_solver(resnet.forward_solver, "forward relaxation", "coarse solve")
+    instrument_solver(resnet.backward_solver, "adjoint", "adjoint")
+    resnet.phase_hook = phase

@@ -1,8 +1,9 @@
 """The main job (``experiments/train.py``) as one call: :func:`run_job` builds the process
 grid, the run directory, the data, the network (:mod:`mgrit.training.models`), the optimizer
 and the callbacks from a :class:`~mgrit.training.jobconfig.JobConfig` and trains through
-:class:`~mgrit.training.Trainer` (``--method serial|mgrit``) or ``layerwise``
-(``--method sequential|decoupled``). Threads, the default dtype and ``fail_fast`` belong to
+:class:`~mgrit.training.Trainer`, for every method: the network and its optimizer (``--method
+serial|mgrit``) or a layer-wise training method of :func:`layerwise.build_method` (``--method
+sequential|decoupled``). Threads, the default dtype and ``fail_fast`` belong to
 the calling script."""
 from __future__ import annotations
 
@@ -17,16 +18,22 @@ import torch
 from mpi4py import MPI
 from torch.nn import functional as F
 
-from data import load_dataset
-from layerwise import train_layerwise
+from data import TEXT_CORPORA, load_dataset, load_text
+from data.text import corpus_text, vocabulary
+from layerwise import build_method
 
 from ..parallel import ProcessGrid
 from .callbacks import ConsoleLog, ProgressBar
 from .faults import phase, set_log_dir
+from .bias import BiasMonitor
 from .guard import ConvergenceGuard
-from .jobconfig import JobConfig
-from .metrics import MetricsWriter, write_curves, write_metrics, write_summary
+from .jobconfig import LANGUAGE_MODELS, JobConfig
+from .lm import LanguageModelReport, lm_loss, token_accuracy
+from .metrics import MetricsWriter
 from .models import build_model
+from .multilevel_init import MultilevelMetricsWriter, run_schedule
+from .recurrent_models import SEQUENCE_TASKS, GRUSolverLog, load_sequence_task, regression_loss
+from .transformer_models import describe_model
 from .trainer import Trainer
 
 __all__ = ["run_job", "OPTIMIZERS", "RUNS"]
@@ -77,16 +84,25 @@ def _load(c: JobConfig, dtype):
     where = f" and the files in --data-root {c.data_root}" if c.data_root else ""
     with phase("data loading", hint=f"check --dataset {c.dataset}{where} (python -m data list "
                                     f"shows the names; a damaged file must be replaced)"):
-        train, test = load_dataset(c.dataset, root=c.data_root, seed=c.seed,
-                                   test_fraction=c.test_fraction, normalize=True, flatten=False)
+        if c.dataset in TEXT_CORPORA:  # int64 token windows (n, context), data.text
+            train, test = load_text(c.dataset, context=c.context, seed=c.seed,
+                                    test_fraction=c.test_fraction)
+        elif c.dataset in SEQUENCE_TASKS:  # generated (n, T, 2) sequences, float targets
+            train, test = load_sequence_task(c)
+        else:
+            train, test = load_dataset(c.dataset, root=c.data_root, seed=c.seed,
+                                       test_fraction=c.test_fraction, normalize=True,
+                                       flatten=False)
         xtr, ytr = np.asarray(train.x), np.asarray(train.y)
         xte, yte = np.asarray(test.x), np.asarray(test.y)
     if c.limit_train:
         xtr, ytr = xtr[:c.limit_train], ytr[:c.limit_train]
     if c.limit_test:
         xte, yte = xte[:c.limit_test], yte[:c.limit_test]
-    return ((torch.as_tensor(xtr, dtype=dtype), torch.as_tensor(ytr, dtype=torch.long)),
-            (torch.as_tensor(xte, dtype=dtype), torch.as_tensor(yte, dtype=torch.long)),
+    xdt = dtype if np.issubdtype(xtr.dtype, np.floating) else torch.long  # token ids stay ints
+    ydt = torch.long if np.issubdtype(ytr.dtype, np.integer) else dtype  # regression: floats
+    return ((torch.as_tensor(xtr, dtype=xdt), torch.as_tensor(ytr, dtype=ydt)),
+            (torch.as_tensor(xte, dtype=xdt), torch.as_tensor(yte, dtype=ydt)),
             train.num_classes)
 
 
@@ -109,75 +125,112 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
                   n_train=len(train[1]), n_test=len(test[1]), input_shape=list(in_shape),
                   num_classes=num_classes, out=str(run), h=c.T / c.layers,
                   torch_threads=torch.get_num_threads())
-    features = c.width if c.step == "dense" else c.channels
     say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {len(test[1])} test "
-        f"{in_shape}, {c.layers} x {c.step} steps ({features} features), world {world} = "
+        f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
     t0 = time.perf_counter()
     if c.method in ("sequential", "decoupled"):
         final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load)
     else:
         final = _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load)
-    say(f"[train] done in {time.perf_counter() - t0:.1f}s: loss {final['loss']:.4f} train_acc "
-        f"{final['train_acc']:.4f} test_acc {final['test_acc']:.4f} -> {run}")
+    num = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731  (None: no accuracy)
+    say(f"[train] done in {time.perf_counter() - t0:.1f}s: loss {num(final['loss'])} train_acc "
+        f"{num(final['train_acc'])} test_acc {num(final['test_acc'])} -> {run}")
     grid.free()
     return final
 
 
 def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load) -> dict:
     mgrit = c.method == "mgrit"
+
+    def build(cfg):
+        return build_model(c.model, cfg, in_shape, num_classes, comm=grid.layer_comm if mgrit
+                           else None).to(torch.get_default_dtype())
+
+    def make(cfg, net, levels=None):
+        return _make_trainer(cfg, grid, net, test, run, config, t_load, levels)
+
+    def fit(trainer, cfg, resume):
+        return trainer.fit(train, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
+                           test=test, resume=resume)
+
+    if c.multilevel_init:  # coarse-to-fine in depth, one fit per depth (multilevel_init)
+        return run_schedule(c, grid, build, make, fit)
     with phase("model setup"):
-        net = build_model(c.model, c, in_shape, num_classes,
-                          comm=grid.layer_comm if mgrit else None).to(torch.get_default_dtype())
-    if mgrit:
-        config["warm_start_effective"] = net.resnet.warm_start
+        net = build(c)
+    return fit(make(c, net), c, c.resume).final
+
+
+def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Trainer:
+    """Optimizer, callbacks and :class:`Trainer` of ``net``; ``levels``: the
+    :class:`~mgrit.training.multilevel_init.LevelHistory` of a ``--multilevel-init`` schedule
+    (first callback; one metrics writer for all levels)."""
+    mgrit = c.method == "mgrit"
+    if mgrit:  # the first layer-parallel segment's (the GRU's for --model gru)
+        config["warm_start_effective"] = (net.gru if c.model == "gru"
+                                          else net.segments[0]).warm_start
     optimizer = OPTIMIZERS[c.optimizer](net.parameters(), c)
-    callbacks = []
+    loss, metric, vocab = F.cross_entropy, None, None
+    if c.model in LANGUAGE_MODELS:  # next-token loss, token accuracy, bpc and a sample
+        loss, metric = lm_loss, token_accuracy
+        text, info = corpus_text(c.dataset)
+        vocab = vocabulary(text)
+        config["corpus"] = {**vars(info), "vocabulary": "".join(vocab)}
+    if c.dataset in SEQUENCE_TASKS:  # the adding problem: a regression (MSE, no accuracy)
+        loss = regression_loss
+    callbacks = [] if levels is None else [levels]
     if mgrit and c.guard != "off":
         callbacks.append(ConvergenceGuard(window=3, threshold=1.0, action=c.guard,
                                           log_path=str(run / "guard.jsonl")))
+    if mgrit and c.bias_monitor != "off":
+        callbacks.append(BiasMonitor(action=c.bias_monitor, every=c.bias_every,
+                                     ratio=c.bias_ratio, window=c.bias_window,
+                                     log_path=str(run / "bias.jsonl")))
     if not c.no_progress:
         callbacks.append(ProgressBar())
-    callbacks += [ConsoleLog(), MetricsWriter(
-        run, config, f"{c.method} {c.dataset} N={c.layers} world={grid.comm.Get_size()} "
-                     f"dp={c.dp}", extra={"method": c.method, "load_s": t_load})]
-    trainer = Trainer(net, optimizer, grid, loss=F.cross_entropy, callbacks=callbacks,
+    title = (f"{c.method} {c.dataset} {c.model} N={config['layers']} world="
+             f"{grid.comm.Get_size()} dp={c.dp}")
+    if levels is None:
+        writer = MetricsWriter(run, config, title, extra={"method": c.method, "load_s": t_load})
+    else:
+        levels.writer = writer = levels.writer or MultilevelMetricsWriter(
+            run, config, f"{title} multilevel {levels.depths}",
+            extra={"method": c.method, "load_s": t_load}, levels=levels)
+    callbacks.append(ConsoleLog())
+    if mgrit and c.model == "gru":
+        callbacks.append(GRUSolverLog(extra=writer.extra))
+    if vocab is not None:
+        callbacks.append(LanguageModelReport(vocab, test[0][0][:32], c.context, run=run,
+                                             extra=writer.extra))
+    callbacks.append(writer)
+    trainer = Trainer(net, optimizer, grid, loss=loss, callbacks=callbacks,
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
-                      checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)
-    return trainer.fit(train, epochs=c.epochs, batch_size=c.batch_size, seed=c.seed, test=test,
-                       resume=c.resume).final
+                      checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size,
+                      metric=metric)
+    return trainer
 
 
 def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load) -> dict:
-    """``--method sequential|decoupled`` through :func:`layerwise.train_layerwise`."""
+    """``--method sequential|decoupled``: the layer-wise method (:func:`layerwise.build_method`)
+    in the same :class:`Trainer` loop (epochs, evaluation, metrics, progress, checkpoints)."""
+    kw = dict(num_stages=c.stages, stages_per_rank=c.stages // grid.layer_size) \
+        if c.method == "decoupled" else {}
     with phase("model setup"):
         layers = build_model(c.model, c, in_shape, num_classes, form="layers")
-    kw = {}
-    if c.method == "decoupled":
-        kw = dict(num_stages=c.stages, stages_per_rank=c.stages // grid.layer_size)
-    t0 = time.perf_counter()
-    out = train_layerwise(c.method, layers, num_classes, *train, *test, grid=grid,
-                          epochs=c.epochs, batch_size=c.batch_size, optimizer=c.optimizer,
-                          lr=c.lr, momentum=c.momentum, seed=c.seed,
-                          eval_batch_size=c.eval_batch_size, progress=True, **kw)
-    total = time.perf_counter() - t0
-    n = len(out["epoch"])
-    hist = {"epoch": out["epoch"], "loss": out["loss"], "train_acc": out["train_acc"],
-            "test_acc": out["test_acc"], "epoch_time": out["time"]}
-    fin = out.get("final") or {}
-    final = {"loss": out["loss"][-1] if n else float("nan"),
-             "train_acc": out["train_acc"][-1] if n else float("nan"),
-             "test_acc": fin.get("acc", out["test_acc"][-1] if n else float("nan"))}
-    if grid.comm.Get_rank() == 0:
-        write_metrics(run, hist, config)
-        write_summary(run, {
-            "config": config, "method": c.method, "final": final, "epochs": hist,
-            "times": {"total_s": total, "load_s": t_load,
-                      "train_s": float(np.nansum(hist["epoch_time"])),
-                      "mean_epoch_s": float(np.nanmean(hist["epoch_time"]))},
-            "world_size": grid.comm.Get_size(), "dp": c.dp, "P_L": grid.layer_size,
-            "stage": out.get("stage"),
-            "layerwise_final": {k: v for k, v in fin.items() if isinstance(v, (int, float))}})
-        write_curves(run, hist, f"{c.method} {c.dataset} N={c.layers} world="
-                                f"{grid.comm.Get_size()} dp={c.dp}")
-    return final
+        method = build_method(c.method, layers, num_classes, in_shape, grid=grid,
+                              epochs=c.epochs, optimizer=c.optimizer, lr=c.lr,
+                              momentum=c.momentum, seed=c.seed,
+                              cache_batch_size=c.eval_batch_size, **kw)
+    extra = {"method": c.method, "load_s": t_load}
+    if c.method == "sequential":  # --epochs is per layer: the loop runs the whole schedule
+        extra["stage"] = list(method.plan)
+    callbacks = [] if c.no_progress else [ProgressBar()]
+    callbacks += [ConsoleLog(), MetricsWriter(
+        run, config, f"{c.method} {c.dataset} {c.model} N={c.layers} world="
+                     f"{grid.comm.Get_size()} dp={c.dp}", extra=extra)]
+    trainer = Trainer(method, None, grid, callbacks=callbacks,
+                      checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
+                      checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)
+    epochs = len(method.plan) if c.method == "sequential" else c.epochs
+    return trainer.fit(train, epochs=epochs, batch_size=c.batch_size, seed=c.seed, test=test,
+                       resume=c.resume).final

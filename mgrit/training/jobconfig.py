@@ -9,13 +9,23 @@ import os
 from dataclasses import dataclass
 
 from data import available_datasets
+from data.text import TEXT_CORPORA
 
+from ..nn.depth import PROLONGATIONS
+from ..nn.gru_chains import COARSE_PROPAGATORS
 from ..options import relaxation_sweeps
+from .multilevel_init import depth_schedule, epoch_schedule
 
-__all__ = ["JobConfig", "METHODS", "BUNDLED"]
+__all__ = ["JobConfig", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
 BUNDLED = ("mnist5k", "digits", "peaks")
+#: Models trained on a text corpus (``data.text.TEXT_CORPORA``) with a next-token loss.
+LANGUAGE_MODELS = ("gpt",)
+#: Generated sequence tasks of ``--dataset`` (``--model gru``, mgrit.training.recurrent_models).
+SEQUENCE_TASKS = ("adding",)
+#: ``--bias-monitor`` choices: off, or a :class:`~mgrit.training.bias.BiasMonitor` action.
+BIAS_ACTIONS = ("off", "log", "raise", "serial")
 _POSITIVE = ("layers", "width", "channels", "kernel", "levels", "fwd_iters", "bwd_iters",
              "epochs", "batch_size", "eval_batch_size")
 _NON_NEGATIVE = ("limit_train", "limit_test", "seed", "threads", "dp", "stages",
@@ -41,6 +51,19 @@ class JobConfig:
     kernel: int = 3
     T: float = 1.0
     activation: str = "tanh"
+    d_model: int = 32
+    heads: int = 4
+    d_ff: int = 0
+    patch: int = 7
+    context: int = 64
+    buffer_layers: int = 1
+    hidden: int = 32
+    seq_len: int = 1024
+    gru_coarse: str = "power"
+    gru_eval_rtol: float = 1e-5
+    multilevel_init: int = 0
+    init_epochs: str = "2"
+    prolong: str = "constant"
     levels: int = 3
     cfactor: int = 4
     fwd_iters: int = 2
@@ -49,6 +72,7 @@ class JobConfig:
     tol: float = 0.0
     warm_start: bool | None = None
     warm_start_adjoint: bool = False
+    nested_iteration: bool = False
     adjoint: str = "mgrit"
     skip_first_relaxation: bool = False
     method: str = "mgrit"
@@ -65,6 +89,10 @@ class JobConfig:
     dp: int = 0
     threads: int = 0
     guard: str = "warn"
+    bias_monitor: str = "off"
+    bias_every: int = 50
+    bias_ratio: float = 0.5
+    bias_window: int = 2
     checkpoint_every: int = 0
     resume: str | None = None
     out: str | None = None
@@ -100,9 +128,6 @@ class JobConfig:
             raise ValueError(f"--cfactor={c.cfactor} is not allowed: use an int >= 2")
         if c.kernel % 2 == 0:
             raise ValueError(f"--kernel={c.kernel} is not allowed: use an odd int")
-        if (c.checkpoint_every or c.resume) and c.method not in ("mgrit", "serial"):
-            raise ValueError(f"--checkpoint-every/--resume are supported with --method mgrit "
-                             f"and serial, got --method {c.method}")
         if c.resume and not os.path.isfile(c.resume):
             raise ValueError(f"--resume={c.resume!r}: no such checkpoint file")
         for name in ("T", "lr"):
@@ -113,6 +138,17 @@ class JobConfig:
             raise ValueError(f"--tol={c.tol} is not allowed: use 0 (inexact) or a number > 0")
         if not (math.isfinite(c.momentum) and 0 <= c.momentum < 1):
             raise ValueError(f"--momentum={c.momentum} is not allowed: use a number in [0, 1)")
+        if c.bias_monitor not in BIAS_ACTIONS:
+            raise ValueError(f"--bias-monitor={c.bias_monitor!r} is not allowed: use one of "
+                             f"{list(BIAS_ACTIONS)}")
+        if c.bias_monitor != "off" and c.method != "mgrit":
+            raise ValueError(f"--bias-monitor {c.bias_monitor} needs --method mgrit (got "
+                             f"--method {c.method}: its gradients have no solver bias)")
+        for name in ("bias_every", "bias_window"):
+            if getattr(c, name) < 1:
+                raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int >= 1")
+        if not (math.isfinite(c.bias_ratio) and c.bias_ratio > 0):
+            raise ValueError(f"--bias-ratio={c.bias_ratio} is not allowed: use a finite number > 0")
         if not 0 < c.test_fraction < 1:
             raise ValueError(f"--test-fraction={c.test_fraction} is not allowed: use a number "
                              f"in (0, 1)")
@@ -123,6 +159,9 @@ class JobConfig:
                 raise ValueError(f"--relax={c.relax!r}: {e}") from None
         self._check_layout(c, world)
         self._check_dataset(c)
+        self._check_model(c)
+        self._check_initial_guess(c)
+        self._check_schedule_and_sequences(c, world // c.dp)
         return c
 
     @staticmethod
@@ -155,12 +194,91 @@ class JobConfig:
 
     @staticmethod
     def _check_dataset(c: "JobConfig") -> None:
-        if c.dataset in BUNDLED or c.dataset == "hdf5":
+        if c.dataset in BUNDLED or c.dataset == "hdf5" or c.dataset in TEXT_CORPORA \
+                or c.dataset in SEQUENCE_TASKS:
             return
         names = available_datasets()
         if c.dataset not in names:
             raise ValueError(f"--dataset={c.dataset!r} is unknown: use one of "
                              f"{sorted(set(names) | {'hdf5'})}")
+
+    @staticmethod
+    def _check_initial_guess(c: "JobConfig") -> None:
+        """--nested-iteration builds every solve's initial guess itself: no warm start."""
+        if not c.nested_iteration:
+            return
+        if c.warm_start or c.warm_start_adjoint:
+            raise ValueError("--nested-iteration builds each MGRIT solve's initial guess from "
+                             "the coarsest level: it cannot be combined with --warm-start or "
+                             "--warm-start-adjoint (use --no-warm-start)")
+        c.warm_start = False
+
+    @staticmethod
+    def _check_model(c: "JobConfig") -> None:
+        """Settings of --model staged-resnet|vit|gpt (mgrit.training.transformer_models)."""
+        for name in ("d_model", "heads", "patch", "context"):
+            if getattr(c, name) < 1:
+                raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int >= 1")
+        for name in ("d_ff", "buffer_layers"):
+            if getattr(c, name) < 0:
+                raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int >= 0")
+        if c.model in ("vit", "gpt") and c.d_model % c.heads:
+            divisors = [h for h in range(1, c.d_model + 1) if c.d_model % h == 0]
+            raise ValueError(f"--d-model={c.d_model} is not divisible by --heads={c.heads}: use "
+                             f"a number of heads that divides d_model (one of {divisors})")
+        if c.model == "staged-resnet" and c.step == "dense":
+            raise ValueError("--model staged-resnet is a convolutional ResNet: use --step conv "
+                             "or twoconv")
+        text, lm = c.dataset in TEXT_CORPORA, c.model in LANGUAGE_MODELS
+        if lm and not text:
+            raise ValueError(f"--model {c.model} is a language model: use a text corpus "
+                             f"(--dataset {' or '.join(TEXT_CORPORA)}), got --dataset {c.dataset}")
+        if text and not lm:
+            raise ValueError(f"--dataset {c.dataset} is a text corpus: use a language model "
+                             f"(--model {' or '.join(LANGUAGE_MODELS)}), got --model {c.model}")
+        if c.model in ("staged-resnet", "vit", "gpt") and c.method in ("sequential", "decoupled"):
+            raise ValueError(f"--method {c.method} has no --model {c.model}: use --method mgrit "
+                             f"or serial")
+
+    @staticmethod
+    def _check_schedule_and_sequences(c: "JobConfig", P_L: int) -> None:
+        """--multilevel-init (mgrit.training.multilevel_init) and --model gru / --dataset
+        adding (mgrit.training.recurrent_models)."""
+        if c.multilevel_init < 0:
+            raise ValueError(f"--multilevel-init={c.multilevel_init} is not allowed: use 0 (off) "
+                             f"or the number of depths L >= 1")
+        if c.multilevel_init:
+            if c.method not in ("mgrit", "serial") or c.model == "gru":
+                raise ValueError(f"--multilevel-init refines residual networks in depth (--method "
+                                 f"mgrit or serial): not --method {c.method} --model {c.model}")
+            if c.prolong not in PROLONGATIONS:
+                raise ValueError(f"--prolong={c.prolong!r} is not allowed: use one of "
+                                 f"{list(PROLONGATIONS)}")
+            depths = depth_schedule(c.layers, c.multilevel_init)
+            epoch_schedule(c.init_epochs, c.multilevel_init, c.epochs)
+            if c.method == "mgrit" and depths[0] < P_L:
+                raise ValueError(f"--multilevel-init {c.multilevel_init} starts at {depths[0]} "
+                                 f"layers, fewer than the {P_L} layer ranks: use fewer levels "
+                                 f"or ranks")
+        for name, low in (("hidden", 1), ("seq_len", 2)):
+            if getattr(c, name) < low:
+                raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int "
+                                 f">= {low}")
+        if c.gru_coarse not in COARSE_PROPAGATORS:
+            raise ValueError(f"--gru-coarse={c.gru_coarse!r} is not allowed: use one of "
+                             f"{list(COARSE_PROPAGATORS)}")
+        if not (math.isfinite(c.gru_eval_rtol) and c.gru_eval_rtol >= 0):
+            raise ValueError(f"--gru-eval-rtol={c.gru_eval_rtol} is not allowed: use 0 (the "
+                             f"training cycles) or a number > 0")
+        if c.model == "gru" and c.method not in ("mgrit", "serial"):
+            raise ValueError(f"--method {c.method} has no --model gru: use --method mgrit or "
+                             f"serial")
+        if c.dataset in SEQUENCE_TASKS and c.model != "gru":
+            raise ValueError(f"--dataset {c.dataset} is a sequence regression: use --model gru, "
+                             f"got --model {c.model}")
+        if c.dataset in SEQUENCE_TASKS and c.method == "mgrit" and c.seq_len < P_L:
+            raise ValueError(f"--seq-len={c.seq_len} is smaller than the {P_L} time (layer) "
+                             f"ranks: use --seq-len >= {P_L} or fewer ranks")
 
 
 def _flag(name: str) -> str:

@@ -63,13 +63,15 @@ def build_model(name: str, cfg, in_shape, num_classes: int, comm: MPI.Comm | Non
 
 def mgrit_options(cfg) -> tuple:
     """Forward and adjoint :class:`MGRITOptions` from ``levels``, ``cfactor``, ``relax``,
-    ``skip_first_relaxation``, ``tol``, ``fwd_iters``, ``bwd_iters``: ``tol = 0`` gives
+    ``skip_first_relaxation``, ``nested_iteration`` (optional attribute, default False),
+    ``tol``, ``fwd_iters``, ``bwd_iters``: ``tol = 0`` gives
     exactly ``fwd_iters``/``bwd_iters`` cycles (inexact training), ``tol > 0`` iterates to
     that tolerance with at most ``max(iters, 50)`` cycles (exact mode)."""
     relax = cfg.relax if isinstance(cfg.relax, (list, tuple)) else \
         [r.strip() for r in str(cfg.relax).split(",")]
     common = dict(max_levels=cfg.levels, cfactor=cfg.cfactor, relax=list(relax),
-                  skip_first_relaxation=cfg.skip_first_relaxation)
+                  skip_first_relaxation=cfg.skip_first_relaxation,
+                  nested_iteration=bool(getattr(cfg, "nested_iteration", False)))
     if cfg.tol > 0:
         return (MGRITOptions(tol=cfg.tol, max_iter=max(cfg.fwd_iters, 50), **common),
                 MGRITOptions(tol=cfg.tol, max_iter=max(cfg.bwd_iters, 50), **common))
@@ -127,3 +129,9 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
                                        warm_start=cfg.warm_start,
                                        warm_start_adjoint=cfg.warm_start_adjoint)
     return LayerParallelNet(opening, resnet, closing)
+
+
+# the staged ResNet and the transformers register themselves (imported last: they import
+# register and mgrit_options from this module)
+from . import transformer_models  # noqa: E402,F401
+from . import recurrent_models  # noqa: E402,F401  (--model gru)

@@ -11,10 +11,11 @@ module's own state-dict keys: the main job's serial network and its layer-parall
 share them, so a checkpoint of one loads into the other and into any partition.
 
 The MGRIT views (per segment: solver results, warm-start states, options, counters) are the
-functions below; they return empty lists / do nothing for serial networks. They are the only
-place in :mod:`mgrit.training` that reads private attributes of the nn classes
-(``LayerParallelNet._local_modules``, ``LayerParallelResNet._fsolver/_bsolver/_warm``); each
-says which public accessor would replace it.
+functions below; they return empty lists / do nothing for serial networks. They use the public
+accessors of the nn classes (``LayerParallelNet.named_global_modules``,
+``LayerParallelResNet.forward_solver/backward_solver/warm_state/set_warm_state/set_options``);
+the one private read left is :func:`solver_states`' (the solver's state arrays after a failed
+solve; it says which public accessor would replace it).
 
 Depends on torch, mpi4py, the solver, :mod:`mgrit.nn` and :mod:`mgrit.training.faults`.
 """
@@ -28,7 +29,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import LayerParallelNet, LayerParallelResNet
-from ..solver import MGRIT
 from .faults import instrument_resnet, instrument_solver
 
 __all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",
@@ -84,8 +84,7 @@ def blocks(net: nn.Module) -> list:
     """This rank's ``(global key prefix, module)`` pairs (see module doc); keys do not depend
     on the partition, so checkpoints re-partition by key."""
     if isinstance(net, LayerParallelNet):
-        # wanted: a public LayerParallelNet.named_global_modules()
-        return [(f"{i}.F." if h is not None else f"{i}.", m) for i, m, h in net._local_modules()]
+        return [(f"{name}.", m) for name, m in net.named_global_modules()]
     if isinstance(net, SerialNet):
         return [("", net.module)]
     return [("", net)]
@@ -126,8 +125,7 @@ def exact_tolerance(net: nn.Module) -> float | None:
 
 
 def _solvers(seg) -> tuple:
-    # wanted: public LayerParallelResNet.forward_solver / backward_solver
-    return seg._fsolver, seg._bsolver
+    return seg.forward_solver, seg.backward_solver
 
 
 def describe_solvers(net: nn.Module) -> list:
@@ -164,10 +162,9 @@ def owned_points(net: nn.Module) -> list:
 
 def warm_states(net: nn.Module) -> list:
     """Per segment: ``{fine point: state}`` of this rank's forward warm start, or None."""
-    # wanted: public LayerParallelResNet.warm_state() / set_warm_state()
     out = []
     for seg, (lo, _) in zip(segments(net), owned_points(net)):
-        w = seg._warm
+        w = seg.warm_state()
         out.append(None if w is None else {lo + i: w[i].detach().cpu().clone()
                                            for i in range(w.shape[0])})
     return out
@@ -177,23 +174,19 @@ def set_warm_states(net: nn.Module, states: list) -> None:
     """Set (or clear, with None entries) each segment's forward warm-start states (tensors
     with one row per owned fine point)."""
     for seg, w in zip(segments(net), states):
-        seg._warm = None if w is None else w.to(device=seg.device, dtype=seg.dtype)
+        seg.set_warm_state(w)
 
 
 def replace_solver(resnet: LayerParallelResNet, which: str, options) -> None:
     """Rebuild the ``"forward"`` or ``"backward"`` MGRIT solver of ``resnet`` with ``options``
     (no communication: only the local hierarchy is recomputed). Keeps the accumulated
-    counters and the phase tags. (Wanted: a public ``LayerParallelResNet.set_options``.)"""
+    counters and the phase tags (:meth:`LayerParallelResNet.set_options`, then
+    :func:`~mgrit.training.faults.instrument_solver` again where the old solver had tags)."""
     if which not in ("forward", "backward"):
         raise ValueError(f"which={which!r} is not allowed: use 'forward' or 'backward'")
-    old = resnet._fsolver if which == "forward" else resnet._bsolver
-    new = MGRIT(old.propagator, resnet.n_layers, dtype=old.dtype, device=old.device,
-                options=options, comm=old.comm, partition=old.partition)
-    new.stats = old.stats
-    if which == "forward":
-        resnet._fsolver, resnet.fwd_opts = new, options
-    else:
-        resnet._bsolver, resnet.bwd_opts = new, options
+    old = _solvers(resnet)[0 if which == "forward" else 1]
+    resnet.set_options(**{which: options})
+    new = _solvers(resnet)[0 if which == "forward" else 1]
     phases = getattr(old, "_layerpar_phases", None)
     if phases is not None:
         instrument_solver(new, *phases)
@@ -202,7 +195,8 @@ def replace_solver(resnet: LayerParallelResNet, which: str, options) -> None:
 def solver_states(seg: LayerParallelResNet, which: str) -> tuple | None:
     """``(states, lo)``: the current fine-level states of ``seg``'s ``"forward"`` or
     ``"backward"`` solver, also after the solve raised (NaN/Inf residual); None before any
-    solve. Wanted instead: the partial MGRITResult attached to the solver's exception."""
+    solve. Reads the solver's private state arrays: wanted instead a public
+    ``MGRIT.current_states()`` (or the partial MGRITResult attached to its exception)."""
     st = getattr(_solvers(seg)[0 if which == "forward" else 1], "_st", None)
     return (st[0].u, st[0].lv.lo) if st else None
 

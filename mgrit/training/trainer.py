@@ -1,8 +1,10 @@
 """The training loop: :class:`Trainer` -- one step (:meth:`Trainer.step`), evaluation, and
 :meth:`Trainer.fit` (epochs with checkpoint/resume and callbacks), the same code for a
-:class:`~mgrit.nn.LayerParallelNet` and a serial ``nn.Module``."""
+:class:`~mgrit.nn.LayerParallelNet`, a serial ``nn.Module`` and a
+:class:`~mgrit.training.method.TrainingMethod` (layer-wise training: its own updates)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
@@ -14,20 +16,26 @@ import torch
 from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..parallel import GradientBuckets, ProcessGrid
+from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
 from .checkpoint import load_checkpoint, save_checkpoint
 from .epoch import EpochAccumulator, UnconvergedWarning
 from .faults import phase
 from .guard import name_nonfinite
+from .method import TrainingMethod
 from .nets import (as_net, describe_solvers, exact_tolerance, instrument, solver_results,
                    solver_summary)
 from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
 
 __all__ = ["Trainer"]
+
+
+def _zero_loss(out, target):
+    """Loss of an empty shard (synchronized BatchNorm: the replica joins the backward)."""
+    return out.sum() * 0.0
 
 
 def _positive_int(name: str, v, minimum: int = 1) -> int:
@@ -43,39 +51,59 @@ class Trainer:
     ``on_after_backward`` hooks, data-parallel gradient averaging over ``grid.data_comm``
     (:class:`~mgrit.parallel.GradientBuckets`, weighted by shard size), ``optimizer.step()``.
     :meth:`fit` is a thin loop over steps with evaluation, checkpoints and hooks.
+    With replicas, BatchNorm layers use the statistics of the global batch (each replica's
+    loss is then its share of the global mean loss, averaged with the plain mean) and any
+    other module whose buffers change in a training forward is refused on every rank before
+    its first optimizer step (:class:`~mgrit.parallel.replicas.ReplicaSync`).
 
     Args:
         net: a :class:`~mgrit.nn.LayerParallelNet` built on ``grid.layer_comm``, or any serial
             ``nn.Module`` (wrapped by :class:`~mgrit.training.nets.SerialNet`; then
             ``grid.layer_size`` must be 1). Its MGRIT solves are phase-tagged for fault reports.
+            Or a :class:`~mgrit.training.method.TrainingMethod` (layer-wise training), which
+            runs its own updates in place of the step above; then ``optimizer=None``.
         optimizer: the user's ``torch.optim.Optimizer`` over ``net``'s parameters on this rank
             (schedulers stay with the user: step them in ``on_epoch_end``).
         grid: :class:`~mgrit.parallel.ProcessGrid` (default: one process, ``COMM_SELF``).
         loss: ``loss(output, target) -> mean loss`` (default ``F.cross_entropy``); evaluation
-            calls it with ``reduction="sum"`` when it accepts that keyword.
+            calls it with ``reduction="sum"`` when it accepts that keyword. (A TrainingMethod
+            trains with its own losses; this one is then only the evaluation's.)
         callbacks: objects with ``on_*`` hooks (see :mod:`mgrit.training.callbacks`).
         checkpoint: file to save to (None: no checkpoints): at the end of every epoch and
             every ``checkpoint_every`` optimizer steps (0: only per epoch).
         eval_batch_size: batch size of the test-set evaluation (default 500).
+        metric: ``metric(output, target) -> score`` summed over the batch's samples (a number;
+            None: no accuracy), reported divided by the number of samples as ``train_acc`` /
+            ``test_acc``. Default None: correct argmax classifications of a 2-D output
+            against 1-D integer labels (None for other outputs). A language model passes
+            :func:`mgrit.training.lm.token_accuracy`.
 
     Attributes:
-        net (the adapted network), optimizer, grid, callbacks, steps_done, history (per-epoch
-        metrics of the current fit), is_root (rank 0 of ``grid.comm``).
+        net (the adapted network), method (the TrainingMethod, or None), optimizer (with a
+        method: its checkpoint view), grid, callbacks, steps_done, history (per-epoch
+        metrics of the current fit), is_root (rank 0 of ``grid.comm``), batch (this replica's
+        ``(x, y)`` of the latest step, for callbacks that redo the step's computation such as
+        :class:`~mgrit.training.bias.BiasMonitor`; None before the first step).
 
     Raises:
         TypeError: ``net`` not a module, ``optimizer`` not a ``torch.optim.Optimizer``, ``grid``
-            not a ProcessGrid, ``loss`` not callable. ValueError: a network whose layer
-            communicator does not match the grid, BatchNorm with data-parallel replicas (its
-            statistics would differ between replicas), bad callbacks or numbers. Raised on
-            every rank before any communication.
+            not a ProcessGrid, ``loss`` not callable, an optimizer with a TrainingMethod.
+            ValueError: a network whose layer communicator does not match the grid, bad
+            callbacks or numbers. Raised on every rank before any communication.
     """
 
-    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer | None,
                  grid: ProcessGrid | None = None, *, loss: Callable = F.cross_entropy,
                  callbacks=None, checkpoint=None, checkpoint_every: int = 0,
-                 eval_batch_size: int = 500):
+                 eval_batch_size: int = 500, metric: Callable | None = None):
+        self.method = net if isinstance(net, TrainingMethod) else None
         self.net = as_net(net)
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if self.method is not None:
+            if optimizer is not None:
+                raise TypeError(f"a TrainingMethod ({type(net).__name__}) runs its own "
+                                f"optimizers: pass optimizer=None")
+            optimizer = self.method.optimizer  # what checkpoints save (or None)
+        elif not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (build it from the "
                             f"network's parameters), got {type(optimizer).__name__}")
         self.grid = ProcessGrid(MPI.COMM_SELF) if grid is None else grid
@@ -85,19 +113,20 @@ class Trainer:
             raise ValueError(f"the network spans {self.net.comm.Get_size()} layer rank(s) but the "
                              f"grid has P_L={self.grid.layer_size}: build the network on "
                              f"grid.layer_comm (a serial network needs P_L = 1)")
-        if self.grid.data_size > 1:
-            bn = [n for n, m in self.net.named_modules() if isinstance(m, _BatchNorm)]
-            if bn:  # every rank holds the same modules: the same verdict everywhere
-                raise ValueError(f"module {bn[0]!r} is a BatchNorm: with {self.grid.data_size} "
-                                 f"replicas its running statistics would differ between them "
-                                 f"(no synchronization in this loop); use data_parallel=1 or "
-                                 f"a network without BatchNorm")
+        # replicas: BatchNorm over the global batch, other buffer-changing modules refused
+        # (a TrainingMethod synchronizes its own modules)
+        self._sync = ReplicaSync([self.net], self.grid.data_comm) \
+            if self.grid.data_size > 1 and self.method is None else None
+        self._bn = self._sync is not None and has_sync_types([self.net])
         if not callable(loss):
             raise TypeError(f"loss must be callable (output, target) -> loss, got {loss!r}")
         if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike))
                                        or not os.fspath(checkpoint)):
             raise ValueError(f"checkpoint={checkpoint!r} is not allowed: use a file path or None")
+        if metric is not None and not callable(metric):
+            raise TypeError(f"metric must be callable (output, target) -> score, got {metric!r}")
         self.optimizer, self.loss_fn = optimizer, loss
+        self._metric = self._correct if metric is None else metric
         self.callbacks = check_callbacks(callbacks)
         self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
         self.checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
@@ -110,18 +139,20 @@ class Trainer:
         self._dtype = next((p.dtype for p in params if p.is_floating_point()),
                            torch.get_default_dtype())
         # data-parallel: .grad tensors become views of persistent flat buffers
-        self.buckets = GradientBuckets(params, self.grid.data_comm) if self.grid.data_size > 1 \
-            else None
+        self.buckets = GradientBuckets(params, self.grid.data_comm) \
+            if self.grid.data_size > 1 and self.method is None else None
         instrument(self.net)
         self.is_root = self.grid.comm.Get_rank() == 0
         self.steps_done = 0
+        self.batch = None
         self.history: dict = {}
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, x: torch.Tensor, y: torch.Tensor, weight: float | None = None) -> StepRecord:
         """One optimizer step on this replica's batch ``(x, y)`` (``x`` on every layer rank,
         ``(batch, ...)``; ``y`` used on the last). A replica with an empty batch skips forward
-        and backward and joins the averaging with weight 0.
+        and backward (with BatchNorm: runs them on zero samples, its statistics are
+        collective) and joins the averaging with weight 0.
 
         Args:
             weight: this replica's share of the global batch (``len(y) / global size``); None:
@@ -130,45 +161,62 @@ class Trainer:
         Returns:
             the :class:`StepRecord` (loss and accuracy of this replica's batch).
         """
-        if self.buckets is not None and weight is None:
+        if self.grid.data_size > 1 and weight is None:
             total = self.grid.data_comm.allreduce(len(y))
             weight = len(y) / total if total else 0.0
         return self._step(x, y, weight, None, None)
 
     def _step(self, x, y, weight, epoch, batch) -> StepRecord:
         n = len(y)
+        self.batch = (x, y)
         rec = StepRecord(step=self.steps_done, epoch=epoch, batch=batch, samples=n,
                          weight=1.0 if weight is None else float(weight))
+        if self.method is not None:  # the method runs its own updates (layer-wise training)
+            rec.loss, rec.correct = self.method.train_step(
+                x, y, rec.weight, lambda: self._call("on_after_backward", rec))
+            self.steps_done += 1
+            self._call("on_step_end", rec)
+            return rec
         if self.buckets is None:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.buckets.zero_grad()
         out = loss = None
-        if n:
-            out, loss = self._forward_backward(x, y)
-            rec.solves = solver_results(self.net)
+        if n or self._bn:  # synchronized BatchNorm: an empty shard joins its collectives
+            out, loss = self._forward_backward(x, y, rec.weight)
+            rec.solves = solver_results(self.net) if n else []
+        elif self._sync is not None:  # an empty shard joins the replicas' buffer verdict
+            self._sync.begin_step()
+            self._sync.end_step()
         self._call("on_after_backward", rec)
         with phase("gradient averaging"):
-            if self.buckets is not None:
-                self.buckets.average(weight=rec.weight)
+            if self.buckets is not None:  # BatchNorm: the loss is the share, plain mean
+                self.buckets.average(weight=None if self._bn else rec.weight)
         self.optimizer.step()
         self.steps_done += 1
         if n:
             stats = None
             if self.net.is_last:
                 with torch.no_grad():
-                    stats = [loss.item(), self._correct(out, y)]
+                    stats = [loss.item(), self._metric(out, y)]
             rec.loss, rec.correct = self.net.from_last(stats)
         self._call("on_step_end", rec)
         return rec
 
-    def _forward_backward(self, x, y):
-        which = "forward"
+    def _forward_backward(self, x, y, weight=1.0):
+        which, n, sync = "forward", len(y), self._sync
         try:
-            out = self.net(x)
-            loss = self.net.loss(out, y, self.loss_fn)
-            which = "backward"
-            loss.backward()
+            with sync if sync is not None else contextlib.nullcontext():
+                if sync is not None:
+                    sync.begin_step()
+                out = self.net(x)
+                loss = self.net.loss(out, y, self.loss_fn if n else _zero_loss)
+                which = "backward"
+                scale = share_scale(n, round(n / weight) if n else 0, self.grid.data_size) \
+                    if self._bn else 1.0
+                (loss if scale == 1.0 else loss * scale).backward()
+                if sync is not None:  # the same error on every replica, before the step
+                    sync.end_step()
         except FloatingPointError as exc:
             named = name_nonfinite(self.net, which, self.steps_done, exc)
             if named is None:
@@ -202,6 +250,8 @@ class Trainer:
         was_training = self.net.training
         self.net.eval()
         with torch.no_grad(), phase("evaluation"):
+            if self.method is not None:  # e.g. the cached features of frozen layers
+                x = self.method.inputs(x)
             for s in range(0, len(idx), self.eval_batch_size):
                 j = torch.as_tensor(idx[s:s + self.eval_batch_size])
                 out = self.net(x[j])
@@ -209,7 +259,7 @@ class Trainer:
                     yj = y[j]
                     lsum = (self.loss_fn(out, yj, reduction="sum").item() if self._sum_reduction
                             else self.loss_fn(out, yj).item() * len(yj))
-                    correct = self._correct(out, yj)
+                    correct = self._metric(out, yj)
                     tot += [lsum, np.nan if correct is None else correct, len(yj)]
         self.net.train(was_training)
         tot = self.grid.data_comm.allreduce(np.asarray(self.net.from_last(tot)))
@@ -282,20 +332,29 @@ class Trainer:
             self.net.train()
             acc = EpochAccumulator(acc_state if epoch == start_epoch else None)
             t0 = time.perf_counter()
-            for b, (idx, glen) in enumerate(epoch_batches(n, batch_size, seed, epoch,
-                                                          self.grid.data_rank,
-                                                          self.grid.data_size)):
-                if epoch == start_epoch and b < start_batch:
+            batches = epoch_batches(n, batch_size, seed, epoch, self.grid.data_rank,
+                                    self.grid.data_size)
+            first = start_batch if epoch == start_epoch else 0  # > 0: resumed mid-epoch
+            xe = x
+            if self.method is not None:
+                self.method.begin_epoch(epoch, epochs, [len(i) for i, _ in batches[first:]])
+                xe = self.method.inputs(x)
+            for b, (idx, glen) in enumerate(batches):
+                if b < first:
                     continue  # done before the checkpoint we resumed from
                 with phase("data loading"):
                     j = torch.as_tensor(idx)
-                    xb, yb = x[j], y[j]
-                acc.add(self._step(xb, yb, len(idx) / glen, epoch, b), tol is not None)
+                    xb, yb = xe[j], y[j]
+                rec = self._step(xb, yb, len(idx) / glen, epoch, b)
+                if rec.loss is not None:  # (a method's ranks without the output: nothing)
+                    acc.add(rec, tol is not None)
                 if self.checkpoint and self.checkpoint_every \
                         and self.steps_done % self.checkpoint_every == 0:
                     self._save_fit(epoch, b + 1, acc, hist, expect, initial)
+            if self.method is not None:
+                self.method.end_epoch()
             t_epoch = time.perf_counter() - t0
-            tot = self.grid.data_comm.allreduce(acc.totals())
+            tot = self.net.from_last(self.grid.data_comm.allreduce(acc.totals()))
             t1 = time.perf_counter()
             test_acc, test_loss = (None, None) if tx is None else self._evaluate(tx, ty)
             t_eval = time.perf_counter() - t1
@@ -330,7 +389,7 @@ class Trainer:
                 list(loaded.notes), tuple(extra["initial"]))
 
     def _save_fit(self, epoch, batch, acc, hist, expect, initial) -> None:
-        accum = self.grid.data_comm.allgather(acc.state())
+        accum = self.net.from_last(self.grid.data_comm.allgather(acc.state()))
         self.save(self.checkpoint, {"position": [epoch, batch], "history": hist,
                                     "accum": accum, "initial": list(initial), **expect})
 

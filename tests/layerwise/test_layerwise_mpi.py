@@ -3,7 +3,13 @@ parallelism, also with BatchNorm (statistics of the global batch, running statis
 the single-process run and bitwise equal on the replicas) and with batch sizes that leave a
 replica an empty shard (every sample used); modules whose buffers change in forward refused
 identically on every rank before any step; identical bad-configuration errors on every rank;
-no hang on error.
+no hang on error; the regression path (``loss="mse"``) pipelined, with replicas and unequal
+shards, equal to one process, and its bad losses/targets refused identically on every rank.
+Through the library's training loop (mgrit.training.Trainer): sequential
+and decoupled training equal plain loops written in the test bit for bit, and resume from a
+checkpoint taken inside an epoch (and a stage) bit for bit; BatchNorm with replicas in the
+Trainer (serial and layer-parallel networks, unequal and empty shards) equals one replica
+(float64, 1e-12).
 
 Checks sharing a rank count run in one launch (interpreter start-up dominates)."""
 import time
@@ -33,6 +39,26 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
                   batch_size=6, n=25)],
         ["check_buffer_guard", dict(net="mlp_counter", method="decoupled")],
         ["check_buffer_guard", dict(net="mlp_instancenorm", method="sequential")],
+        # the one training loop (Trainer): bit for bit against plain loops, and resume
+        ["check_layerwise_loop_equals_plain_loop", dict(method="sequential")],
+        ["check_layerwise_loop_equals_plain_loop", dict(method="decoupled")],
+        ["check_layerwise_resume", dict(method="sequential")],
+        ["check_layerwise_resume", dict(method="decoupled")],
+        # synchronized BatchNorm in the Trainer, 2 replicas, unequal shards (38 = 5 x 7 + 3)
+        ["check_trainer_batchnorm_replicas", dict(kind="serial")],
+        ["check_trainer_batchnorm_replicas", dict(kind="mgrit")],
+        # regression (loss="mse"), 2 replicas, unequal shards: DGL (48 = 6 x 7 + 6) and
+        # sequential (41 = 5 x 7 + 6) equal the single-process trainers
+        [EQ, dict(net="mlp", num_stages=2, stages_per_rank=2, replicas=2, batch_size=7,
+                  loss="mse")],
+        ["check_sequential_data_parallel", dict(replicas=2, n=41, batch_size=7, loss="mse")],
+        # ... and the Trainer equals plain loops with the MSE share written out (2 replicas /
+        # 2 pipeline stages)
+        ["check_layerwise_loop_equals_plain_loop", dict(method="sequential", loss="mse")],
+        ["check_layerwise_loop_equals_plain_loop", dict(method="decoupled", loss="mse")],
+        ["check_bad_config_identical", dict(kind="loss")],
+        ["check_bad_config_identical", dict(kind="targets")],
+        ["check_bad_config_identical", dict(kind="targets_pipeline")],
     ]
     res = eval(run_mpi(f"{CASES}:check_many", 2, checks=checks)[0])
     assert res[0] <= 1e-12 and res[1] <= 1e-12
@@ -46,6 +72,13 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
                               "'steps' in a training forward: with 2 data-parallel replicas")
     assert "module layers.4.2 (InstanceNorm1d) changed its buffer(s) 'running_mean', " \
            "'running_var'" in res[12] and "data_parallel=1" in res[12]
+    assert res[13:17] == [7, 3, 7, 3]  # epochs compared (sequential: 3 layers x 2 + head)
+    assert max(res[17:21]) <= 1e-12
+    assert res[21:23] == [7, 3]
+    assert "loss='mae' is not allowed: use one of cross_entropy, mse" in res[23]
+    assert "train_y of dtype torch.int64 and shape (48,) is not allowed with loss='mse'" in res[24]
+    assert res[25].startswith("rank 0: y of dtype torch.float64 and shape (48, 4) is not allowed "
+                              "with loss='mse': use float targets of shape (n, 5)")
 
 
 def test_three_ranks_resnet_pipeline_and_three_replicas_equal_single_process():
@@ -55,7 +88,10 @@ def test_three_ranks_resnet_pipeline_and_three_replicas_equal_single_process():
         [EQ, dict(net="mlp", num_stages=1, replicas=3, batch_size=4, n=41)],
         # BatchNorm2d, last batch 26 % 8 = 2 < 3 replicas: replica 2's shard is empty (with
         # BatchNorm1d a 2-sample batch is too ill-conditioned for 1e-12 after 8 epochs)
-        ["check_sequential_data_parallel", dict(replicas=3, net="resnet_bn", n=26)]])
+        ["check_sequential_data_parallel", dict(replicas=3, net="resnet_bn", n=26)],
+        # Trainer + BatchNorm, 3 replicas, last batch 37 % 7 = 2: replica 2's shard is empty
+        ["check_trainer_batchnorm_replicas", dict(kind="serial", n=37)],
+        ["check_trainer_batchnorm_replicas", dict(kind="mgrit", n=37)]])
     assert all(max(eval(r)) <= 1e-12 for r in res)
 
 
@@ -64,7 +100,11 @@ def test_two_stages_times_two_replicas_equals_single_process():
         # 49 = 6 x 8 + 1: replica 1's stage-0 rank sends empty activations down its pipeline
         [EQ, dict(net="mlp", num_stages=2, replicas=2, n=49)],
         [EQ, dict(net="resnet", num_stages=2, replicas=2, head="conv", batch_size=12)],
-        [EQ, dict(net="mlp_bn", num_stages=2, replicas=2, batch_size=7)]])
+        [EQ, dict(net="mlp_bn", num_stages=2, replicas=2, batch_size=7)],
+        # regression (loss="mse") pipelined with replicas, unequal shards (49 = 7 x 7)
+        [EQ, dict(net="mlp", num_stages=2, replicas=2, batch_size=7, n=49, loss="mse")],
+        # Trainer + BatchNorm in the opening and closing of a LayerParallelNet, P_L 2 x P_D 2
+        ["check_trainer_batchnorm_replicas", dict(kind="mgrit", layer_parallel=2)]])
     assert all(max(eval(r)) <= 1e-12 for r in res)
 
 

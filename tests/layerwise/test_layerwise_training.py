@@ -49,8 +49,9 @@ def test_sequential_freezes_lower_layers_and_caches_their_outputs(grow):
     assert set(snaps) == {0, 1, 2}
     # each layer: 1 shape probe at set-up, 5 training batches + 1 test evaluation per epoch x 3
     # epochs while it trains, then one pass over the train and one over the test cache (chunk
-    # 1000 > n) when it is frozen -- never again in later stages or the head re-fit
-    assert calls == [1 + 3 * (5 + 1) + 2] * 3
+    # 1000 > n) when it is frozen -- never again in later stages or the head re-fit; layer 0
+    # also once for the training loop's evaluation before training (stage 0's network)
+    assert calls == [1 + 1 + 3 * (5 + 1) + 2] + [1 + 3 * (5 + 1) + 2] * 2
     assert not all(torch.equal(a, b) for a, b in zip(before, layers[1].parameters()))
     assert all(p.requires_grad for l in layers for p in l.parameters())  # flags restored
     assert torch.equal(tr.cached_features, tr.network[:-1](x).detach()) or \
@@ -64,14 +65,17 @@ def test_sequential_freezes_lower_layers_and_caches_their_outputs(grow):
 def test_sequential_finetune_moves_lower_layers_and_grow_before_output_checks_shapes():
     layers = mlp(depth=2)
     x, y = data()
+    seen = {}
+
+    def log(rec):  # layer 0's weight after the head re-fit (frozen) and after fine-tuning
+        seen[rec["stage"]] = layers[0][0].weight.detach().clone()
+
     tr = SequentialTrainer(layers, 4, (12,), epochs_per_layer=1, head_epochs=1, finetune_epochs=1,
-                           batch_size=8)
+                           batch_size=8, log=log)
     tr.fit(x, y)
-    first = [p.detach().clone() for p in layers[0].parameters()]
-    assert tr.history[-1]["stage"] == "finetune"
-    tr.finetune_epochs = 2
-    tr._run("finetune", [*layers, tr.output_head], 0.05, 1, x, y, None, None)
-    assert not torch.equal(first[0], layers[0][0].weight)
+    assert [h["stage"] for h in tr.history] == [0, 1, "head", "finetune"]
+    assert torch.equal(seen[0], seen["head"])  # frozen after its stage
+    assert not torch.equal(seen["head"], seen["finetune"])  # fine-tuning trains it again
     bad = [nn.Linear(12, 16).double(), nn.Linear(16, 8).double()]
     with pytest.raises(ValueError, match="grow='before_output' keeps one output head.*layer 1"):
         SequentialTrainer(bad, 4, (12,), grow="before_output")

@@ -7,6 +7,9 @@ from torch import nn
 from layerwise import (DecoupledModel, DecoupledPipeline, DecoupledTrainer, ResidualStep,
                        SequentialTrainer, global_batches, train_layerwise)
 from mgrit.parallel.procgrid import ProcessGrid
+from tests.mpi_cases.layerwise_loop_cases import (  # noqa: F401 (run by name in check_many)
+    check_layerwise_loop_equals_plain_loop, check_layerwise_resume,
+    check_trainer_batchnorm_replicas)
 
 
 class StepCounter(nn.Module):
@@ -59,11 +62,16 @@ def make_layers(net: str, seed: int = 0):
     return [l.double() for l in layers]
 
 
-def make_data(net: str, n: int = 48, classes: int = 5, seed: int = 1):
+def make_data(net: str, n: int = 48, classes: int = 5, seed: int = 1, loss="cross_entropy"):
+    """float64 inputs and int64 labels in ``0..classes-1`` (``loss="mse"``: float64 targets
+    ``(n, classes)``, a smooth function of the inputs)."""
     g = torch.Generator().manual_seed(seed)
     shape = (12,) if net.startswith("mlp") else (1, 6, 6)
-    return (torch.randn((n, *shape), generator=g, dtype=torch.float64),
-            torch.randint(0, classes, (n,), generator=g))
+    x = torch.randn((n, *shape), generator=g, dtype=torch.float64)
+    if loss == "mse":
+        w = torch.randn(int(np.prod(shape)), classes, generator=g, dtype=torch.float64)
+        return x, torch.sin(x.reshape(n, -1) @ w / 3)
+    return x, torch.randint(0, classes, (n,), generator=g)
 
 
 def _state(modules):
@@ -79,14 +87,18 @@ def _replicas_identical(tensors, data_comm):
 
 
 def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per_rank=1,
-                                 optimizer="sgd", epochs=2, batch_size=8, head="linear", n=48):
+                                 optimizer="sgd", epochs=2, batch_size=8, head="linear", n=48,
+                                 loss="cross_entropy"):
     """The pipeline (stages x replicas) equals the single-process DGL loop: losses, accuracies,
     parameters and buffers (BatchNorm running statistics) <= 1e-12, float64; replicas hold
-    bitwise identical parameters and buffers. Returns the largest difference."""
+    bitwise identical parameters and buffers; evaluation (every head, the ensemble) equal.
+    ``loss="mse"``: regression targets (n, 5), accuracies None. Returns the largest
+    difference."""
     comm = MPI.COMM_WORLD
     grid = ProcessGrid(comm, data_parallel=replicas)
-    x, y = make_data(net, n=n)
-    kw = dict(num_classes=5, in_shape=tuple(x.shape[1:]), num_stages=num_stages, head=head, seed=3)
+    x, y = make_data(net, n=n, loss=loss)
+    kw = dict(num_classes=5, in_shape=tuple(x.shape[1:]), num_stages=num_stages, head=head, seed=3,
+              loss=loss)
     opt = dict(optimizer=optimizer, lr=0.05, momentum=0.9, weight_decay=1e-4)
     ref = DecoupledModel(make_layers(net), **kw)
     ref_trainer = DecoupledTrainer(ref, **opt)
@@ -98,7 +110,11 @@ def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per
         m_pipe = pipe.train_epoch(x if grid.layer_rank == 0 else None,
                                   y if grid.layer_rank == 0 else None, batches)
         assert abs(m_ref["loss"] - m_pipe["loss"]) <= 1e-12, (m_ref, m_pipe)
-        assert np.allclose(m_ref["stage_train_acc"], m_pipe["stage_train_acc"], atol=1e-12)
+        assert m_pipe["stage_loss"] == pytest_approx(m_ref["stage_loss"]), (m_ref, m_pipe)
+        if loss == "mse":
+            assert m_ref["stage_train_acc"] == m_pipe["stage_train_acc"] == [None] * num_stages
+        else:
+            assert np.allclose(m_ref["stage_train_acc"], m_pipe["stage_train_acc"], atol=1e-12)
     diff = 0.0
     mine = _state([mod for k in pipe.owned for mod in (model.bodies[k], model.heads[k])])
     theirs = _state([mod for k in pipe.owned for mod in (ref.bodies[k], ref.heads[k])])
@@ -121,7 +137,15 @@ def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per
     for key in ("acc", "ensemble_acc"):
         assert ev[key] == ev_ref[key], (key, ev, ev_ref)
     assert ev["stage_acc"] == ev_ref["stage_acc"]
-    sd = pipe.state_dict()
+    assert ev["stage_loss"] == pytest_approx(ev_ref["stage_loss"]), (ev, ev_ref)
+    if loss == "mse":
+        assert ev["acc"] is None and abs(ev["ensemble_loss"] - ev_ref["ensemble_loss"]) <= 1e-12
+        # the MSE of the output head, computed here from the full model
+        with torch.no_grad():
+            ref.eval()
+            direct = float(torch.nn.functional.mse_loss(ref(x), y))
+        assert abs(ev["loss"] - direct) <= 1e-12, (ev["loss"], direct)
+    sd = pipe.full_state_dict()
     if comm.Get_rank() == 0:
         ref_sd = ref.state_dict()
         assert list(sd) == list(ref_sd)
@@ -133,14 +157,25 @@ def check_pipeline_equals_serial(net="mlp", num_stages=2, replicas=1, stages_per
 
 
 def check_bad_config_identical(kind):
+    """A bad configuration raises the same ValueError on every rank (before any message).
+    ``targets_pipeline``: targets given on layer rank 0 only (``train_epoch``), agreed."""
     comm = MPI.COMM_WORLD
     x, y = make_data("mlp")
     kwargs = {"ranks": dict(num_stages=comm.Get_size() + 1),
               "stages": dict(num_stages=7),
               "head": dict(head="pool"),
-              "spr": dict(num_stages=3, stages_per_rank=2)}[kind]
+              "spr": dict(num_stages=3, stages_per_rank=2),
+              "loss": dict(loss="mae"),
+              "targets": dict(loss="mse"),  # int64 labels with loss="mse"
+              "targets_pipeline": {}}[kind]
     grid = ProcessGrid(comm)
     try:
+        if kind == "targets_pipeline":  # regression targets of the wrong width, rank 0 only
+            model = DecoupledModel(make_layers("mlp"), 5, (12,), num_stages=grid.layer_size,
+                                   loss="mse")
+            pipe = DecoupledPipeline(model, grid)
+            bad = make_data("mlp", classes=4, loss="mse")[1] if grid.layer_rank == 0 else None
+            pipe.train_epoch(x, bad, global_batches(len(x), 8, 0, 0))
         train_layerwise("decoupled", make_layers("mlp"), 5, x, y, grid=grid, epochs=1,
                         progress=False, **kwargs)
     except ValueError as exc:
@@ -207,23 +242,30 @@ def pytest_approx(values, tol=1e-12):
     return _Approx(values)
 
 
-def check_sequential_data_parallel(replicas=2, grow="top", net="mlp", n=40, batch_size=8):
-    """Sequential training with replicas equals one process: history losses, parameters and
-    buffers <= 1e-12 (float64); replicas bitwise identical. Returns the largest difference."""
+def check_sequential_data_parallel(replicas=2, grow="top", net="mlp", n=40, batch_size=8,
+                                   loss="cross_entropy"):
+    """Sequential training with replicas equals one process: history losses (and test losses),
+    parameters and buffers <= 1e-12 (float64); replicas bitwise identical. ``loss="mse"``:
+    regression targets (n, 5), accuracies None. Returns the largest difference."""
     grid = ProcessGrid(MPI.COMM_WORLD, data_parallel=replicas)
-    x, y = make_data(net, n=n)
+    x, y = make_data(net, n=n, loss=loss)
     kw = dict(grow=grow, epochs_per_layer=2, head_epochs=1, finetune_epochs=1,
-              batch_size=batch_size, lr=0.05, seed=5)
+              batch_size=batch_size, lr=0.05, seed=5, loss=loss)
     in_shape = tuple(x.shape[1:])
     ref = SequentialTrainer(make_layers(net)[:3], 5, in_shape, **kw)
-    ref.fit(x, y)
+    ref.fit(x, y, x[:9], y[:9])
     tr = SequentialTrainer(make_layers(net)[:3], 5, in_shape, data_comm=grid.data_comm, **kw)
-    tr.fit(x, y)
+    tr.fit(x, y, x[:9], y[:9])
     sd, ref_sd = tr.state_dict(), ref.state_dict()
     assert list(sd) == list(ref_sd)
     diff = max(float((sd[k].double() - ref_sd[k].double()).abs().max()) for k in sd)
     assert [h["loss"] for h in tr.history] == pytest_approx([h["loss"] for h in ref.history])
-    assert [h["train_acc"] for h in tr.history] == pytest_approx([h["train_acc"] for h in ref.history])
+    assert [h["test_loss"] for h in tr.history] == pytest_approx([h["test_loss"] for h in ref.history])
+    if loss == "mse":
+        assert all(h["train_acc"] is None and h["test_acc"] is None for h in tr.history)
+    else:
+        assert [h["train_acc"] for h in tr.history] == \
+            pytest_approx([h["train_acc"] for h in ref.history])
     assert diff <= 1e-12, diff
     _replicas_identical([v.double() for v in sd.values()], grid.data_comm)
     return diff

@@ -1,5 +1,7 @@
 """Module state across data-parallel replicas: BatchNorm statistics over the global batch, and
-a guard that refuses every other module whose buffers change in a training forward.
+a guard that refuses every other module whose buffers change in a training forward. Used by
+both training families: :class:`mgrit.training.Trainer` (end-to-end, serial and
+layer-parallel networks) and :mod:`layerwise` (sequential and decoupled training).
 
 Why: with ``R`` replicas each replica sees only its shard of the global batch. A module that
 updates state from its input in forward -- BatchNorm's batch statistics and running
@@ -36,16 +38,16 @@ running means by 0.58, 2 replicas).
 
 Gradient scale: the backward of the statistics sums each replica's gradient contributions, so
 the replica losses must be shares of one global loss (the shard's summed loss over the global
-batch size, scaled by ``R`` when the gradients are then averaged with the plain mean):
-:func:`layerwise.common.shard_loss`. Then ``R`` replicas give the single-process gradient of
-the global mean loss up to rounding, with and without BatchNorm.
+batch size, scaled by ``R`` when the gradients are then averaged with the plain mean; a
+shard's mean loss times :func:`share_scale`). Then ``R`` replicas give the single-process
+gradient of the global mean loss up to rounding, with and without BatchNorm.
 
 Use::
 
     with ReplicaSync(modules, grid.data_comm) as sync:
         for batch in batches:
             sync.begin_step()
-            loss = shard_loss(net(x_shard), y_shard, len(batch), R)
+            loss = loss_fn(net(x_shard), y_shard) * share_scale(len(y_shard), len(batch), R)
             loss.backward()
             sync.end_step()                  # refuses unsynchronized buffer changes
             buckets.average()                # mean over replicas
@@ -64,11 +66,26 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mgrit.comm import raise_agreed
 
 __all__ = ["SYNC_TYPES", "ReplicaSync", "refuse_unsynchronized", "sync_batch_norm",
-           "global_moments"]
+           "global_moments", "has_sync_types", "share_scale"]
 
 #: Module types whose buffer updates :class:`ReplicaSync` synchronizes (all BatchNorm kinds).
 SYNC_TYPES = (_BatchNorm,)
 _MISSING = object()
+
+
+def share_scale(n_local: int, global_batch: int, replicas: int) -> float:
+    """Factor that turns a shard's **mean** loss into its share of the global mean loss for
+    gradients averaged with the plain mean over ``replicas``: ``n_local * replicas /
+    global_batch``; exactly 1.0 when every replica holds ``global_batch / replicas`` samples
+    (then the mean loss is used as it is), 0.0 for an empty shard."""
+    if n_local * replicas == global_batch:
+        return 1.0
+    return n_local * replicas / global_batch if global_batch else 0.0
+
+
+def has_sync_types(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of ``modules`` (recursively) is of a :data:`SYNC_TYPES` type."""
+    return any(isinstance(m, SYNC_TYPES) for top in modules for m in top.modules())
 
 
 def _allgather_rows(comm: MPI.Comm, row: np.ndarray) -> np.ndarray:

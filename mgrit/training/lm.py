@@ -1,0 +1,149 @@
+"""Language-model pieces of the training loop: the next-token loss and token accuracy in the
+per-sample form the :class:`~mgrit.training.Trainer` expects, greedy sampling, and the
+:class:`LanguageModelReport` callback (validation loss and bits per character per epoch, a
+greedy sample at the end).
+
+Per-sample convention: the loop sums ``loss(out, y, reduction="sum")`` and ``metric(out, y)``
+over the samples of an evaluation and divides by the number of samples. Here a sample is one
+sequence of ``T`` tokens and its loss / score is its *mean over tokens*; all sequences have the
+same length, so the loop's averages are exactly the per-token mean cross-entropy and the
+token accuracy.
+
+Depends on torch, :mod:`mgrit.nn` and :mod:`mgrit.training.nets`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..nn import LayerParallelNet
+from .nets import SerialNet
+from .records import EpochRecord, FitResult
+
+__all__ = ["lm_loss", "token_accuracy", "bits_per_char", "greedy_sample", "serial_module",
+           "LanguageModelReport"]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of ``logits`` ``(batch, T, vocab)`` against ``int64`` targets
+    ``(batch, T)``. ``"mean"``: over all tokens (= ``F.cross_entropy`` of the flattened
+    tensors); ``"sum"``: the sum over sequences of each sequence's mean over its tokens (see the
+    module doc); ``"none"``: per sequence ``(batch,)``.
+
+    Raises:
+        ValueError: shapes that do not fit, an unknown ``reduction``.
+    """
+    if logits.dim() != 3 or target.shape != logits.shape[:2]:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(target.shape)} do not "
+                         f"fit: use logits (batch, T, vocab) and targets (batch, T)")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} is not allowed: use 'mean', 'sum' or 'none'")
+    V = logits.shape[-1]
+    if reduction == "mean":
+        return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+    per_seq = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1),
+                              reduction="none").view(target.shape).mean(1)
+    return per_seq.sum() if reduction == "sum" else per_seq
+
+
+def token_accuracy(logits: torch.Tensor, target: torch.Tensor) -> float:
+    """Sum over sequences of each sequence's share of tokens whose argmax is the target (the
+    loop divides by the number of sequences: the token accuracy)."""
+    return (logits.argmax(-1) == target).to(torch.float64).mean(1).sum().item()
+
+
+def bits_per_char(loss: float | None) -> float | None:
+    """``loss / ln 2``: a mean cross-entropy in nats per character as bits per character."""
+    return None if loss is None else loss / math.log(2)
+
+
+def serial_module(net: nn.Module) -> nn.Module:
+    """The serial network of the trainer's ``net``: ``net.to_serial()`` for a
+    :class:`~mgrit.nn.LayerParallelNet` (collective over its layer communicator: call on every
+    rank), the wrapped module of a :class:`~mgrit.training.nets.SerialNet`, else ``net``."""
+    if isinstance(net, LayerParallelNet):
+        return net.to_serial()
+    return net.module if isinstance(net, SerialNet) else net
+
+
+@torch.no_grad()
+def greedy_sample(model: nn.Module, prompt: torch.Tensor, length: int, context: int) -> list:
+    """``length`` token ids continuing ``prompt`` (``int64`` ``(T0,)``, ``T0 >= 1``), each the
+    argmax of ``model``'s logits ``(1, T, vocab)`` at the last position, given at most the last
+    ``context`` tokens. ``model`` runs in eval mode (restored afterwards)."""
+    if prompt.dim() != 1 or len(prompt) < 1:
+        raise ValueError(f"prompt of shape {tuple(prompt.shape)} is not allowed: use (T0,), "
+                         f"T0 >= 1")
+    was = model.training
+    model.eval()
+    ids = prompt.to(torch.long).tolist()
+    out = []
+    for _ in range(length):
+        x = torch.tensor([ids[-context:]], dtype=torch.long)
+        nxt = int(model(x)[0, -1].argmax())
+        ids.append(nxt)
+        out.append(nxt)
+    model.train(was)
+    return out
+
+
+class LanguageModelReport:
+    """Callback: per epoch (root rank) the validation loss and bits per character (``bpc =
+    loss / ln 2``) and the training bpc; at the end a greedy sample of ``sample_length``
+    characters after ``prompt`` from the trained weights, evaluated *serially* (the layer-
+    parallel network is gathered with ``to_serial()``, collective over the layer
+    communicator; rank 0 generates), printed and written with the per-epoch numbers to
+    ``run/lm.json`` and into ``extra["lm"]`` (pass a :class:`MetricsWriter`'s ``extra``, and put
+    this callback before it, to have them in ``summary.json``).
+
+    Args:
+        vocab: the characters (``vocab[i]`` decodes id ``i``).
+        prompt: ``int64`` ids ``(T0,)`` to continue (e.g. the start of the validation text).
+        context: the model's positions (longest input).
+        run: run directory for ``lm.json`` (None: not written). extra: dict to update.
+        sample_length: characters to generate (default 200).
+        print_fn: output function (default ``print(..., flush=True)``).
+    """
+
+    def __init__(self, vocab: list, prompt: torch.Tensor, context: int, run=None,
+                 extra: dict | None = None, sample_length: int = 200, print_fn=None):
+        self.vocab, self.prompt, self.context = list(vocab), prompt, int(context)
+        self.run = None if run is None else Path(run)
+        self.extra = extra
+        self.sample_length = int(sample_length)
+        self.print_fn = print_fn or (lambda s: print(s, flush=True))
+
+    def _decode(self, ids) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+    def on_epoch_end(self, trainer, r: EpochRecord) -> None:
+        if trainer.is_root and r.test_loss is not None:
+            self.print_fn(f"[lm] epoch {r.epoch}: validation loss {r.test_loss:.4f} = "
+                          f"{bits_per_char(r.test_loss):.4f} bpc (train {bits_per_char(r.loss):.4f}"
+                          f" bpc), token accuracy {r.test_acc:.4f}")
+
+    def on_fit_end(self, trainer, result: FitResult) -> None:
+        model = serial_module(trainer.net)  # every rank (collective for layer-parallel nets)
+        if not trainer.is_root:
+            return
+        ids = greedy_sample(model, self.prompt, self.sample_length, self.context)
+        h = result.history
+        report = {"epochs": h["epoch"], "val_loss": h["test_loss"],
+                  "val_bpc": [bits_per_char(v) for v in h["test_loss"]],
+                  "train_bpc": [bits_per_char(v) for v in h["loss"]],
+                  "val_token_accuracy": h["test_acc"],
+                  "final_val_loss": h["test_loss"][-1], "final_val_bpc":
+                  bits_per_char(h["test_loss"][-1]), "sample_prompt": self._decode(self.prompt),
+                  "sample": self._decode(ids), "sample_note": "greedy, from the trained "
+                  "weights evaluated serially (to_serial())"}
+        self.print_fn(f"[lm] greedy sample after {report['sample_prompt']!r}:\n"
+                      f"{report['sample']}")
+        if self.extra is not None:
+            self.extra["lm"] = report
+        if self.run is not None:
+            (self.run / "lm.json").write_text(json.dumps(report, indent=2))
