@@ -4,7 +4,7 @@ result (float64, exact MGRIT solves).
 Usage (from the repository root, on a machine with a GPU and the venv)::
 
     python experiments/gpu_check.py            # exit 0: PASS or SKIP (no CUDA); exit 1: FAIL
-    python experiments/gpu_check.py --force-cpu  # dry run of the same path with "device" = cpu
+    python experiments/gpu_check.py --dry-run    # the same path with "device" = cpu (alias --force-cpu)
 
 The driver launches ``mpiexec -n 2 python -m mpi4py experiments/gpu_check.py --worker`` (venv's
 mpiexec; ``$LAYERPAR_MPIEXEC`` overrides). Each rank takes its device from
@@ -30,21 +30,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import mpi4py  # noqa: E402
+import torch  # noqa: E402
+
+if "--worker" not in sys.argv:
+    mpi4py.rc.initialize = False  # the driver launches mpiexec and must not start MPI itself
+from mpi4py import MPI  # noqa: E402
+
+from mgrit.comm import cuda_aware  # noqa: E402
+from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet  # noqa: E402
+from mgrit.options import MGRITOptions  # noqa: E402
+from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
+from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
+from mgrit.training.faults import fail_fast  # noqa: E402
+
 TOL = 1e-10
 
 
 def _batch(n, seed=0):
-    import torch
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
             torch.randint(0, 10, (n,), generator=g))
 
 
 def _layer_parallel_step(comm, device, steps=1):
-    import torch
-    from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
-    from mgrit.options import MGRITOptions
-
     width = 8
     torch.manual_seed(5)
     opening = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, width)).double().to(device)
@@ -64,9 +74,6 @@ def _layer_parallel_step(comm, device, steps=1):
 
 
 def _data_parallel_steps(comm, device, steps=2):
-    import torch
-    from mgrit.parallel.dataparallel import average_gradients
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Tanh(),
                               torch.nn.Flatten(), torch.nn.Linear(256, 10)).double().to(device)
@@ -88,13 +95,6 @@ def _rel(a, b):
 
 
 def worker(force_cpu: bool) -> int:
-    import torch
-    from mpi4py import MPI
-
-    from mgrit.comm import cuda_aware
-    from mgrit.training.faults import fail_fast
-    from mgrit.parallel.procgrid import ProcessGrid
-
     fail_fast(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
@@ -130,12 +130,11 @@ def worker(force_cpu: bool) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--force-cpu", action="store_true",
+    ap.add_argument("--force-cpu", "--dry-run", action="store_true", dest="force_cpu",
                     help="run the comparison with device = cpu (a dry run without a GPU)")
     args = ap.parse_args()
     if args.worker:
         return worker(args.force_cpu)
-    import torch
     if not args.force_cpu and not torch.cuda.is_available():
         print("SKIP: no CUDA device available (torch.cuda.is_available() is False); "
               "nothing to check on this machine")

@@ -29,16 +29,25 @@ loss/accuracy and validation accuracy, evaluations, wall time, modeled time (``m
 cost model with a calibrated step cost; see ``modeled_time``) and the MGRIT residuals /
 convergence factors of the forward and adjoint solves.
 
-Run (every study is one MPI command)::
+Seeds: ``--seeds S`` runs both methods from S initializations (weight seeds 0..S-1, the same
+Peaks data, ``--data-seed``); the tables give mean +- std over the seeds. The paper publishes no
+accuracy table for this run that we could compare with: the comparison is serial vs simultaneous
+under the same code.
 
-    mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py            # small default
-    mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py --full     # 130 its, -> full/
+Accuracy, objective, evaluations and convergence factors are valid on a loaded machine; the wall
+seconds and the CPU-calibrated modeled times (step costs measured here) need a quiet one.
+
+Run (every study is one MPI command; ``table.md``/``summary.md`` are rebuilt from ``results.h5``)::
+
+    mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py            # 40 its, 5 seeds
+    mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py --full     # 130 its (the record)
     mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py --full --layers 1024
     mpiexec -n 2 python -m mpi4py experiments/reproduce_guenther.py --smoke --out /tmp/x
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import time
@@ -77,10 +86,13 @@ def parse_args(argv=None):
     p.add_argument("--model-ranks", default=None,
                    help="comma list of rank counts P for the modeled time "
                         "(default: this run's P and N/4, N/2 where >= P)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild table.md, summary.md, plots from results.h5 without running")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="weight initializations 0..S-1 (default 5; --smoke 2)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the Peaks data")
     reporting.add_study_flags(
-        p, "paper scale: 130 L-BFGS iterations; outputs go to <study>/full/",
-        "tiny: 3 iterations, 500 points")
+        p, "paper scale: 130 L-BFGS iterations (the record)", "tiny: 3 iterations, 500 points, 2 seeds")
     a = p.parse_args(argv)
     if a.iters is None:
         a.iters = 3 if a.smoke else (130 if a.full else 40)
@@ -90,10 +102,12 @@ def parse_args(argv=None):
         a.train = 500 if a.smoke else 5000
     if a.smoke:
         a.val = min(a.val, 100)
+    a.seeds = a.seeds or (2 if a.smoke else 5)
     return a
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
 
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
@@ -104,7 +118,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+import guenther_report  # noqa: E402
+from data.peaks import make_peaks  # noqa: E402
+from mgrit import perf  # noqa: E402
+from mgrit.nn.chains import AdjointChain, ForwardChain  # noqa: E402
 from mgrit.training.guenther import Problem, lbfgs_armijo  # noqa: E402
+from study_parts import write_part  # noqa: E402
 from mgrit.nn import DenseStep  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 
@@ -114,9 +133,6 @@ def calibrate(width, batch, reps=5):
     """Step costs (seconds) of one residual layer on the whole batch, measured on the library's
     own propagators (``mgrit.nn.chains.ForwardChain`` / ``AdjointChain`` of 64 DenseSteps):
     single steps and batched calls over B intervals (affine fit, ``mgrit.perf.calibrate_step``)."""
-    from mgrit import perf
-    from mgrit.nn.chains import AdjointChain, ForwardChain
-
     torch.manual_seed(0)
     n = 64
     steps = [DenseStep(width, "smoothrelu") for _ in range(n)]
@@ -139,21 +155,9 @@ def calibrate(width, batch, reps=5):
 
 
 def _mgrit_critical_path(N, P, opts, K, tau, nbytes):
-    """Critical path of one fixed-iteration MGRIT solve: ``mgrit.perf.simulate`` (replay of the
-    solver) when available, else the notes' formula ``K * (sum_l c_r max(N_l/P, m) tau +
-    N_coarse tau)`` (c_r = 2 for F, 3 for FCF) plus ``(L + P) beta`` per cycle."""
-    from mgrit import perf
-
-    comm = perf.CommCost()
-    if hasattr(perf, "simulate"):
-        return perf.simulate(N, P, opts, K, None, tau, comm, nbytes).critical_path
-    n, levels = N, []
-    while len(levels) + 1 < opts.max_levels and n // opts.cfactor >= opts.min_coarse:
-        levels.append(n)
-        n //= opts.cfactor
-    cyc = sum((2 + opts.sweeps(l)) * max(nl / P, opts.cfactor) * tau.single
-              for l, nl in enumerate(levels)) + n * tau.single
-    return K * (cyc + (len(levels) + 1 + P) * comm.message(nbytes))
+    """Critical path of one fixed-iteration MGRIT solve: ``mgrit.perf.simulate`` (a replay of
+    the solver's control flow) with the default :class:`mgrit.perf.CommCost`."""
+    return perf.simulate(N, P, opts, K, None, tau, perf.CommCost(), nbytes).critical_path
 
 
 def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
@@ -163,8 +167,6 @@ def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
     Simultaneous: MGRIT forward (K cycles) + adjoint (K cycles) critical paths
     (:func:`_mgrit_critical_path`) plus the parameter-gradient sweep ``ceil(N/P) tau_b``;
     default :class:`mgrit.perf.CommCost` (5 us, 5 GB/s), one state per message."""
-    from mgrit import perf
-
     fwd, adj, nbytes = costs
     if serial:
         return N * (fwd.single + adj.single) + 2 * (P - 1) * perf.CommCost().message(nbytes)
@@ -174,26 +176,67 @@ def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
 
 
 # ---------------------------------------------------------------------------- main
+REC_KEYS = ("iter", "objective", "train_loss", "train_acc", "val_acc", "evals", "wall", "tries",
+            "step", "fwd_res", "fwd_factor", "bwd_res", "bwd_factor")
+
+
+def run_method(args, comm, method, seed, data):
+    """One L-BFGS run of ``method`` from weight seed ``seed``; the per-iteration record."""
+    xtr, ytr, xva, yva = data
+    a = copy.copy(args)
+    a.seed = seed
+    prob = Problem(a, comm, method)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    rec = {k: [] for k in REC_KEYS}
+    eval_time = [0.0]
+
+    def on_iter(it, J, tries, step):
+        te = time.perf_counter()
+        (trl, tra), (_, vaa) = prob.serial_metrics([(xtr, ytr), (xva, yva)])
+        eval_time[0] += time.perf_counter() - te
+        lf, lb = prob.resnet.last_forward, prob.resnet.last_backward
+        rf = lf.residuals if (lf is not None and method != "serial") else []
+        rb = lb.residuals if (lb is not None and method != "serial") else []
+        nan = float("nan")
+        for k, v in (("iter", it), ("objective", J), ("train_loss", trl), ("train_acc", tra),
+                     ("val_acc", vaa), ("evals", prob.n_eval), ("tries", tries), ("step", step),
+                     ("wall", time.perf_counter() - t0 - eval_time[0]),
+                     ("fwd_res", rf[-1] if rf else nan),
+                     ("fwd_factor", lf.convergence_factors[-1] if len(rf) > 1 else nan),
+                     ("bwd_res", rb[-1] if rb else nan),
+                     ("bwd_factor", lb.convergence_factors[-1] if len(rb) > 1 else nan)):
+            rec[k].append(v)
+        if comm.Get_rank() == 0 and (it % 10 == 0 or it == args.iters):
+            print(f"[{method} seed {seed}] it {it:4d} J={J:.5f} train_acc={tra:.3f} "
+                  f"val_acc={vaa:.3f} evals={prob.n_eval}", flush=True)
+
+    lbfgs_armijo(prob, xtr, ytr, args.iters, args.history, on_iter)
+    solver = prob.resnet.forward_solver
+    levels = len(solver.hierarchy.levels) if hasattr(solver, "hierarchy") else 0
+    return rec, levels, (prob.fw_opts, prob.bw_opts)
+
+
 def main(argv=None):
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
+    if args.report_only:
+        if rank == 0:
+            guenther_report.write(reporting.results_dir(STUDY, args.out))
+        return
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     if args.layers < P:
         raise SystemExit(f"--layers {args.layers} < {P} ranks: every rank needs a layer")
-    from data.peaks import make_peaks
-
-    xtr, ytr = make_peaks(args.train, args.seed, 0)
-    xva, yva = make_peaks(args.val, args.seed, 1)
-    xtr, xva = torch.as_tensor(xtr, dtype=torch.float64), torch.as_tensor(xva, dtype=torch.float64)
-    ytr, yva = torch.as_tensor(ytr), torch.as_tensor(yva)
+    xtr, ytr = make_peaks(args.train, args.data_seed, 0)
+    xva, yva = make_peaks(args.val, args.data_seed, 1)
+    data = (torch.as_tensor(xtr, dtype=torch.float64), torch.as_tensor(ytr),
+            torch.as_tensor(xva, dtype=torch.float64), torch.as_tensor(yva))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in ("serial", "simultaneous"):
             raise SystemExit(f"unknown method {m!r}: use serial, simultaneous")
-    meta = reporting.run_metadata(world_size=P)
-    meta.update({f"setting_{k}": v for k, v in vars(args).items()})
     costs = None
     if rank == 0:
         fwd, adj = calibrate(args.width, args.train, reps=3 if args.smoke else 5)
@@ -205,149 +248,39 @@ def main(argv=None):
     else:
         model_P = sorted({P} | {q for q in (N // 4, N // 2) if q >= P})
     model_P = [q for q in model_P if 1 <= q <= N]
-    series, rows = {}, []
-    summary = {}
-    for method in methods:
-        prob = Problem(args, comm, method)
-        comm.Barrier()
-        t0 = time.perf_counter()
-        rec = {k: [] for k in ("iter", "objective", "train_loss", "train_acc", "val_acc", "evals",
-                               "wall", "tries", "step", "fwd_res", "fwd_factor", "bwd_res",
-                               "bwd_factor")}
-        eval_time = [0.0]
-
-        def on_iter(it, J, tries, step):
-            te = time.perf_counter()
-            (trl, tra), (_, vaa) = prob.serial_metrics([(xtr, ytr), (xva, yva)])
-            eval_time[0] += time.perf_counter() - te
-            rec["iter"].append(it), rec["objective"].append(J), rec["train_loss"].append(trl)
-            rec["train_acc"].append(tra), rec["val_acc"].append(vaa)
-            rec["evals"].append(prob.n_eval), rec["tries"].append(tries), rec["step"].append(step)
-            rec["wall"].append(time.perf_counter() - t0 - eval_time[0])
-            lf, lb = prob.resnet.last_forward, prob.resnet.last_backward
-            nan = float("nan")
-            rf = lf.residuals if (lf is not None and method != "serial") else []
-            rb = lb.residuals if (lb is not None and method != "serial") else []
-            rec["fwd_res"].append(rf[-1] if rf else nan)
-            rec["fwd_factor"].append(lf.convergence_factors[-1] if len(rf) > 1 else nan)
-            rec["bwd_res"].append(rb[-1] if rb else nan)
-            rec["bwd_factor"].append(lb.convergence_factors[-1] if len(rb) > 1 else nan)
-            if rank == 0 and (it % 10 == 0 or it == args.iters):
-                print(f"[{method}] it {it:4d} J={J:.5f} train_loss={trl:.5f} train_acc={tra:.3f} "
-                      f"val_acc={vaa:.3f} evals={prob.n_eval} fwd_factor={rec['fwd_factor'][-1]:.3g}",
-                      flush=True)
-
-        lbfgs_armijo(prob, xtr, ytr, args.iters, args.history, on_iter)
-        levels = len(prob.resnet._fsolver.hierarchy.levels) if hasattr(prob.resnet._fsolver, "hierarchy") else None
-        per_eval = {q: modeled_time(N, q, prob.fw_opts, prob.bw_opts, args.mgrit_iters, costs,
-                                    method == "serial") for q in model_P}
-        for q in model_P:
-            rec[f"modeled_time_P{q}"] = [e * per_eval[q] for e in rec["evals"]]
-        for k, v in rec.items():
-            series[f"{method}/{k}"] = v
-        summary[method] = dict(rec=rec, per_eval=per_eval, levels=levels)
-        prob = None  # free this method's network before the next one
-
+    series, levels, opts = {}, 0, {}
+    for seed in range(args.seeds):
+        for method in methods:
+            rec, lv, opts[method] = run_method(args, comm, method, seed, data)
+            levels = max(levels, lv)
+            for k, v in rec.items():
+                series[f"seed{seed}/{method}/{k}"] = v
     if rank != 0:
         return
-    # --full keeps the default run's outputs: it writes to <study>/full/
-    outdir = reporting.results_dir(STUDY + ("/full" if args.full else ""), args.out)
-    meta["modeled_ranks"] = model_P
-    meta["calibrated_tau"] = {"fwd_single": costs[0].single, "fwd_call": costs[0].call,
-                              "fwd_item": costs[0].item, "adj_single": costs[1].single,
-                              "adj_call": costs[1].call, "adj_item": costs[1].item}
-    reporting.save_series(outdir / "results.h5", series, meta)
-    # table 1: final numbers
-    header = ["method", "L-BFGS iters", "evaluations", "final objective (optimizer's)",
-              "train loss (exact)", "train acc", "val acc", "wall s (measured, P=%d)" % P]
-    header += [f"modeled s, P={q}" for q in model_P]
-    for method in methods:
-        r = summary[method]["rec"]
-        row = [method, r["iter"][-1], r["evals"][-1], r["objective"][-1], r["train_loss"][-1],
-               r["train_acc"][-1], r["val_acc"][-1], r["wall"][-1]]
-        row += [r[f"modeled_time_P{q}"][-1] for q in model_P]
-        rows.append(row)
-    body = ["## Final numbers (ours)", "", reporting.markdown_table(header, rows), ""]
-    # modeled speedup
-    if "serial" in summary and "simultaneous" in summary:
-        sp = [[q, summary["serial"]["per_eval"][q], summary["simultaneous"]["per_eval"][q],
-               summary["serial"]["per_eval"][q] / summary["simultaneous"]["per_eval"][q]]
-              for q in model_P]
-        body += ["## Modeled time per evaluation (forward + gradient), critical path [modeled]", "",
-                 reporting.markdown_table(["P", "serial s", "simultaneous s (2+2 MGRIT iters)",
-                                           "modeled speedup"], sp), ""]
-    # modeled-only scaling (not run): per-evaluation critical path at the paper's depths
-    if "serial" in summary and "simultaneous" in summary:
-        sc = []
+    per_eval = {m: [modeled_time(N, q, *opts[m], args.mgrit_iters, costs, m == "serial")
+                    for q in model_P] for m in methods}
+    series.update({f"model/{m}/per_eval": v for m, v in per_eval.items()})
+    series["model/P"] = model_P
+    sc = []
+    if "serial" in methods and "simultaneous" in methods:
+        o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor,
+                         min_coarse=args.min_coarse, relax=["F", "FCF"], tol=0,
+                         max_iter=args.mgrit_iters)
         for n_model in sorted({N, 1024}):
             for q in (2, 8, 32, 128, 512):
-                if q > n_model:
-                    continue
-                kw = dict(max_levels=args.max_levels, cfactor=args.cfactor,
-                          min_coarse=args.min_coarse, relax=["F", "FCF"], tol=0,
-                          max_iter=args.mgrit_iters)
-                o = MGRITOptions(**kw)
-                ts = modeled_time(n_model, q, o, o, args.mgrit_iters, costs, True)
-                tm = modeled_time(n_model, q, o, o, args.mgrit_iters, costs, False)
-                sc.append([n_model, q, ts, tm, ts / tm])
-        body += ["## Modeled scaling (cost model only, not run) [modeled]", "",
-                 "Same calibrated step costs; one evaluation = forward + gradient; the run above "
-                 f"needed about {summary['simultaneous']['rec']['evals'][-1] / max(1, args.iters):.2f} "
-                 "evaluations per L-BFGS iteration for both methods.", "",
-                 reporting.markdown_table(["N layers", "P", "serial s / eval", "simultaneous s / eval",
-                                           "modeled speedup"], sc), ""]
-    if "simultaneous" in summary:
-        r = summary["simultaneous"]["rec"]
-        ff = np.array(r["fwd_factor"], dtype=float)
-        bf = np.array(r["bwd_factor"], dtype=float)
-        picks = sorted({0, 1, len(ff) // 4, len(ff) // 2, len(ff) - 1})
-        conv = [[r["iter"][i], r["fwd_res"][i], ff[i], r["bwd_res"][i], bf[i]] for i in picks]
-        body += ["## MGRIT convergence during simultaneous training (last solve of each iteration)",
-                 "", reporting.markdown_table(["L-BFGS iter", "fwd residual", "fwd factor r2/r1",
-                                               "adj residual", "adj factor r2/r1"], conv), "",
-                 f"Mean convergence factor: forward {np.nanmean(ff):.3g}, adjoint {np.nanmean(bf):.3g}."
-                 f" MGRIT levels: {summary['simultaneous']['levels']}.", ""]
-    pub = [[k, v] for k, v in PAPER.items()]
-    body += ["## Published setting (Günther et al. 2020) next to ours", "",
-             reporting.markdown_table(["paper", "value"], pub), "",
-             "Published claim: simultaneous (one-shot, 2 MGRIT iterations per optimization step) "
-             "training reaches training/validation accuracy comparable to serial training, while "
-             "the layer-parallel solves give a runtime speedup on many cores. The notes give no "
-             "published accuracy numbers for this run; we compare our two methods with each "
-             "other. Modeled columns are the cost model (mgrit.perf), not measurements.", ""]
-    reporting.write_table(outdir / "table.md", "Günther et al. 2020 -- Peaks, serial vs "
-                          "simultaneous layer-parallel training", meta, "\n".join(body))
-    # plots
-    for key, ylabel, logy in (("objective", "objective J (optimizer's)", True),
-                              ("train_loss", "exact training loss", True),
-                              ("train_acc", "training accuracy", False),
-                              ("val_acc", "validation accuracy", False)):
-        reporting.plot_lines(outdir / f"{key}_vs_iter.png",
-                             {m: (summary[m]["rec"]["iter"], summary[m]["rec"][key]) for m in methods},
-                             "L-BFGS iteration", ylabel, f"Peaks, N={N}", logy=logy)
-    qmax = max(model_P)
-    reporting.plot_lines(outdir / "train_loss_vs_modeled_time.png",
-                         {f"{m} (P={q})": (summary[m]["rec"][f"modeled_time_P{q}"],
-                                           summary[m]["rec"]["train_loss"])
-                          for m in methods for q in sorted({P, qmax})},
-                         "modeled time [s] (cost model)", "exact training loss",
-                         f"Peaks, N={N} [modeled time]", logy=True)
-    reporting.plot_lines(outdir / "val_acc_vs_modeled_time.png",
-                         {f"{m} (P={q})": (summary[m]["rec"][f"modeled_time_P{q}"],
-                                           summary[m]["rec"]["val_acc"])
-                          for m in methods for q in sorted({P, qmax})},
-                         "modeled time [s] (cost model)", "validation accuracy",
-                         f"Peaks, N={N} [modeled time]")
-    reporting.plot_lines(outdir / "train_loss_vs_wall.png",
-                         {m: (summary[m]["rec"]["wall"], summary[m]["rec"]["train_loss"])
-                          for m in methods}, f"measured wall time [s], P={P} (shared CPU)",
-                         "exact training loss", f"Peaks, N={N}", logy=True)
-    if "simultaneous" in summary:
-        r = summary["simultaneous"]["rec"]
-        reporting.plot_lines(outdir / "convergence_factors.png",
-                             {"forward r2/r1": (r["iter"], r["fwd_factor"]),
-                              "adjoint r2/r1": (r["iter"], r["bwd_factor"])},
-                             "L-BFGS iteration", "MGRIT convergence factor", f"simultaneous, N={N}")
+                if q <= n_model:
+                    sc.append([n_model, q, modeled_time(n_model, q, o, o, args.mgrit_iters, costs, True),
+                               modeled_time(n_model, q, o, o, args.mgrit_iters, costs, False)])
+    series["model/scaling"] = np.array(sc, dtype=float).reshape(-1, 4)
+    meta = reporting.run_metadata(world_size=P)
+    meta.update({f"setting_{k}": v for k, v in vars(args).items()})
+    meta.update(methods=methods, levels=levels, paper=PAPER,
+                calibrated_tau={"fwd_single": costs[0].single, "fwd_call": costs[0].call,
+                                "fwd_item": costs[0].item, "adj_single": costs[1].single,
+                                "adj_call": costs[1].call, "adj_item": costs[1].item})
+    outdir = reporting.results_dir(STUDY, args.out)
+    write_part(outdir / "results.h5", "run", series, meta)
+    guenther_report.write(outdir)
     print(f"wrote {outdir}", flush=True)
 
 

@@ -3,58 +3,84 @@ serial training, and time per epoch, with and without data parallelism.
 
 Launch::
 
-    mpiexec -n 2 python -m mpi4py experiments/reproduce_torchbraid.py          # default, ~2-3 min
+    mpiexec -n 2 python -m mpi4py experiments/reproduce_torchbraid.py          # the example's defaults
     mpiexec -n 4 python -m mpi4py experiments/reproduce_torchbraid.py --full   # + 2x2 layer x data
     mpiexec -n 2 python -m mpi4py experiments/reproduce_torchbraid.py --smoke --out /tmp/x
 
-TorchBraid's setting (examples/mnist): image replicated to 3 channels, 32 steps
-``x + h ReLU(K2 * ReLU(K1 * x))`` (3x3, bias-free), T = 1, closing FC(3*784 -> 32) -> ReLU ->
-FC(32 -> 10); batch 50, SGD lr 0.01 momentum 0.9; MGRIT 3 levels, cfactor 4, 2 forward /
-1 backward iterations, F-relaxation on the fine level (FCF coarse), skip the first down-cycle.
+TorchBraid's example (``examples/mnist/network_architecture.py`` + ``mnist_script.py``, its
+argument defaults): image replicated to C = 3 channels (no parameters), 32 steps
+``x + h ReLU(conv2(ReLU(conv1(x))))`` (3x3 ``nn.Conv2d`` with bias), T = 1, closing
+FC(3*784 -> 32) -> ReLU -> FC(32 -> 10) (log-softmax + cross-entropy = cross-entropy on the
+logits); ``--percent-data 0.05``: 2,500 training images and the next 500 as test set, batch 50 in
+file order (``shuffle=False``), 3 epochs, SGD lr 0.01 momentum 0.9, seed 1; MGRIT 3 levels,
+cfactor 4, 2 forward / 1 backward iterations, F-relaxation on the fine level (FCF coarse), skip
+the first down-cycle; float32.
 
-Configurations, all from the same initialization and the same global batch order
-(``data.GlobalBatchSampler``), trained interleaved batch by batch (so that the load of a shared
-machine hits them alike), each timed per epoch (sum of its steps, max over its ranks):
+Differences (stated in the table): the data are the bundled MNIST-5k subset (2,500 of its
+training split, 500 of its test split; normalized by the train split's mean/std instead of
+0.1307/0.3081); the initial weights come from our seeding, not TorchBraid's RNG stream; the conv
+bias is used when ``mgrit.nn.TwoConvStep`` accepts ``bias=True`` (else the steps are bias-free and
+the table says so).
+
+Configurations, all from the same initialization and the same global batch order, trained
+interleaved batch by batch (so that the load of a shared machine hits them alike), each timed
+per epoch (sum of its steps, max over its ranks):
   * ``serial``: plain autograd on one rank;
   * ``layer``: layer-parallel over all W ranks (MGRIT forward, adjoint-MGRIT backward);
   * ``data``: data-parallel over W ranks, each a serial replica (``mgrit.parallel.dataparallel``);
   * ``layer x data``: W/2 layer ranks x 2 replicas (only when W >= 4).
 Test accuracy: serial exactly; layer-parallel with the inexact MGRIT forward (as TorchBraid
-tests) and with the exact serial forward of the same weights.
+evaluates) and with the exact serial forward of the same weights. Accuracy and loss are valid on
+a loaded machine; the seconds per epoch need a quiet one (rerun the same command).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
+from data import GlobalBatchSampler, load_dataset  # noqa: E402
 from mgrit.training import report as reporting  # noqa: E402
 from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, TwoConvStep, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
+from study_parts import idle_barrier, read_part, write_headline, write_part  # noqa: E402
 
 STUDY = "torchbraid_mnist"
+#: whether the library's TwoConvStep has TorchBraid's conv bias (``bias=True``)
+STEP_BIAS = "bias" in inspect.signature(TwoConvStep).parameters
+#: TorchBraid's example defaults (examples/mnist/network_architecture.py, parse_args)
+TORCHBRAID = {"channels": 3, "steps": 32, "Tf": 1.0, "percent-data": 0.05, "train images": 2500,
+              "test images": 500, "batch": 50, "shuffle": False, "epochs": 3, "lr": 0.01,
+              "momentum": 0.9, "seed": 1, "levels": 3, "cfactor": 4, "fwd iters": 2,
+              "bwd iters": 1, "fine relax": "F", "coarse relax": "FCF", "skip downcycle": True,
+              "conv bias": True}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     reporting.add_study_flags(
-        p, "paper scale: full MNIST (--dataset mnist --root DIR) or mnist5k, 4 epochs")
+        p, "the record: the example's defaults (the same as the default run)")
     p.add_argument("--dataset", default="mnist5k", help="mnist5k (bundled) or mnist (needs --root)")
     p.add_argument("--root", default=None)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--train-samples", type=int, default=2000, help="0 = all (--full: all)")
-    p.add_argument("--test-samples", type=int, default=0, help="0 = all")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--train-samples", type=int, default=2500, help="0 = all")
+    p.add_argument("--test-samples", type=int, default=500, help="0 = all")
+    p.add_argument("--shuffle", action="store_true", help="shuffle batches (TorchBraid: no)")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild table.md, summary.md, plots from results.h5 without running")
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -64,10 +90,8 @@ def parse(argv=None):
     p.add_argument("--cfactor", type=int, default=4)
     p.add_argument("--fwd-iters", type=int, default=2)
     p.add_argument("--bwd-iters", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=1)
     a = p.parse_args(argv)
-    if a.full:
-        a.epochs, a.train_samples, a.test_samples = 4, 0, 0
     if a.smoke:
         a.layers, a.levels, a.epochs, a.train_samples, a.test_samples = 8, 2, 1, 50, 50
     return a
@@ -95,7 +119,8 @@ def options(args, iters):
 
 
 def build(args, layer_comm):
-    step = lambda k: TwoConvStep(args.channels, 3, "relu")  # noqa: E731
+    kw = {"bias": True} if STEP_BIAS else {}
+    step = lambda k: TwoConvStep(args.channels, 3, "relu", **kw)  # noqa: E731
     if layer_comm.Get_size() == 1:
         net = nn.Sequential(Replicate(args.channels),
                             *serial_resnet(step, args.layers, T=1.0, seed=args.seed), closing(args))
@@ -110,7 +135,6 @@ class Config:
     """One configuration on the first ``P_L * P_D`` world ranks (members only hold a model)."""
 
     def __init__(self, args, world, name, P_L, P_D, n_train):
-        from data import GlobalBatchSampler
         self.name, self.P_L, self.P_D = name, P_L, P_D
         rank = world.Get_rank()
         self.sub = world.Split(0 if rank < P_L * P_D else MPI.UNDEFINED, rank)
@@ -122,7 +146,18 @@ class Config:
             self.opt = torch.optim.SGD(self.net.parameters(), lr=args.lr, momentum=args.momentum)
             self.sampler = GlobalBatchSampler(n_train, args.batch, seed=args.seed,
                                               rank=self.grid.data_rank, num_replicas=P_D,
-                                              drop_last=True)
+                                              drop_last=True) if args.shuffle else None
+            self.n_train, self.batch = n_train, args.batch
+
+    def batches(self, ep):
+        """This replica's shard of every global batch of epoch ``ep``: shuffled by the seeded
+        ``GlobalBatchSampler``, or in file order (TorchBraid's ``shuffle=False``)."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(ep)
+            return iter(self.sampler)
+        B, r, R = self.batch, self.grid.data_rank, self.P_D
+        return iter(np.arange(b * B + r * B // R, b * B + (r + 1) * B // R)
+                    for b in range(self.n_train // B))
 
     def step(self, tr, idx):
         xb, yb = tr.get_batch(idx)
@@ -170,20 +205,14 @@ def train_interleaved(args, world, configs, tr, te):
     cfgs = [Config(args, world, *c, n_train) for c in configs]
     n_batches = n_train // args.batch
     for ep in range(args.epochs):
-        iters = []
-        for c in cfgs:
-            if c.member:
-                c.sampler.set_epoch(ep)
-                iters.append(iter(c.sampler))
-            else:
-                iters.append(None)
+        iters = [c.batches(ep) if c.member else None for c in cfgs]
         for _ in range(n_batches):
             for c, it in zip(cfgs, iters):
-                world.Barrier()
+                idle_barrier(world)
                 if c.member:
                     c.step(tr, next(it))
         for c in cfgs:
-            world.Barrier()
+            idle_barrier(world)
             if c.member:
                 c.end_epoch(ep, Xte, Yte)
     out = [dict(name=c.name, P_L=c.P_L, P_D=c.P_D, epochs=c.epochs) for c in cfgs]
@@ -198,9 +227,12 @@ def main(argv=None):
     args = parse(argv)
     world = MPI.COMM_WORLD
     rank, W = world.Get_rank(), world.Get_size()
+    if args.report_only:
+        if rank == 0:
+            write_report(reporting.results_dir(STUDY, args.out))
+        return
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    from data import load_dataset
     tr, te = load_dataset(args.dataset, root=args.root)
     configs = [("serial", 1, 1)]
     if W >= 2:
@@ -210,51 +242,103 @@ def main(argv=None):
     results = train_interleaved(args, world, configs, tr, te)
     if rank == 0:
         meta = reporting.run_metadata(world_size=W)
-        meta["setting"] = (f"{args.dataset}: {args.train_samples or len(tr)} train / "
-                           f"{args.test_samples or len(te)} test, {args.layers} TwoConv steps "
-                           f"{args.channels} ch, T=1, batch {args.batch}, SGD lr {args.lr} momentum "
-                           f"{args.momentum}, {args.epochs} epoch(s); MGRIT {args.levels} levels cf "
-                           f"{args.cfactor}, {args.fwd_iters} fwd / {args.bwd_iters} bwd its, relax F "
-                           f"fine / FCF coarse, skip first down-cycle; float32")
+        meta.update(dataset=args.dataset, train=args.train_samples or len(tr),
+                    test=args.test_samples or len(te), layers=args.layers, channels=args.channels,
+                    batch=args.batch, lr=args.lr, momentum=args.momentum, epochs=args.epochs,
+                    levels=args.levels, cfactor=args.cfactor, fwd_iters=args.fwd_iters,
+                    bwd_iters=args.bwd_iters, seed=args.seed, shuffle=args.shuffle,
+                    conv_bias=STEP_BIAS, configs=[r["name"] for r in results],
+                    P_L=[r["P_L"] for r in results], P_D=[r["P_D"] for r in results])
+        series = {f"cfg{i}/{k}": [x[k] for x in r["epochs"]] for i, r in enumerate(results)
+                  for k in ("time", "loss", "acc", "acc_exact", "fwd_residual")}
         d = reporting.results_dir(STUDY, args.out)
-        series = {}
-        rows = []
-        t_ser = np.mean([e["time"] for e in results[0]["epochs"]])
-        for i, r in enumerate(results):
-            e = r["epochs"]
-            key = f"cfg{i}"
-            series[f"{key}_time"] = [x["time"] for x in e]
-            series[f"{key}_loss"] = [x["loss"] for x in e]
-            series[f"{key}_acc"] = [x["acc"] for x in e]
-            series[f"{key}_acc_exact"] = [x["acc_exact"] for x in e]
-            tm = float(np.mean([x["time"] for x in e]))
-            rows.append([r["name"], r["P_L"], r["P_D"], tm, t_ser / tm, e[-1]["loss"], e[-1]["acc"],
-                         e[-1]["acc_exact"], f"{e[-1]['fwd_residual']:.2e}"])
-        meta["configs"] = [r["name"] for r in results]
-        reporting.save_series(d / "results.h5", series, meta)
-        body = ("Time per epoch = sum of the timed training steps (configurations interleaved "
-                "batch by batch), max over ranks, mean over epochs (s); excludes test evaluation; speedup vs serial on the "
-                "same machine; test accuracy after the last epoch (layer-parallel: inexact MGRIT "
-                "forward / exact serial forward of the same weights). Published (TorchBraid MNIST "
-                "example): layer-parallel accuracy matches serial to within run-to-run noise.\n\n")
-        body += reporting.markdown_table(["config", "P_L", "P_D", "s/epoch", "speedup vs serial",
-                                          "train loss", "test acc", "test acc (exact fwd)",
-                                          "test-forward residual"], rows)
-        per = ["| epoch | " + " | ".join(r["name"] for r in results) + " |",
-               "|---|" + "---|" * len(results)]
-        for ep in range(args.epochs):
-            per.append(f"| {ep} | " + " | ".join(f"{r['epochs'][ep]['acc']:.4f}" for r in results) + " |")
-        body += "\n\nTest accuracy per epoch:\n\n" + "\n".join(per)
-        reporting.write_table(d / "table.md", "TorchBraid MNIST reproduction", meta, body)
-        ep = list(range(1, args.epochs + 1))
-        reporting.plot_lines(d / "accuracy.png", {r["name"]: (ep, [x["acc"] for x in r["epochs"]])
-                                                  for r in results},
-                             "epoch", "test accuracy", title="TorchBraid MNIST: accuracy parity")
-        reporting.plot_lines(d / "time_per_epoch.png",
-                             {r["name"]: (ep, [x["time"] for x in r["epochs"]]) for r in results},
-                             "epoch", "seconds per epoch", title="TorchBraid MNIST: time per epoch")
-        print(body)
+        write_part(d / "results.h5", "run", series, meta)
+        write_report(d)
         print(f"wrote {d} in {time.perf_counter() - t_start:.1f}s")
+
+
+def differences(meta):
+    """Each difference of the run from TorchBraid's example defaults, in words."""
+    ours = {"channels": meta["channels"], "steps": meta["layers"], "train images": meta["train"],
+            "test images": meta["test"], "batch": meta["batch"], "shuffle": meta["shuffle"],
+            "epochs": meta["epochs"], "lr": meta["lr"], "momentum": meta["momentum"],
+            "levels": meta["levels"], "cfactor": meta["cfactor"], "fwd iters": meta["fwd_iters"],
+            "bwd iters": meta["bwd_iters"], "conv bias": meta["conv_bias"]}
+    out = [f"{k}: ours {v}, TorchBraid {TORCHBRAID[k]}" for k, v in ours.items()
+           if v != TORCHBRAID[k] and k != "conv bias"]
+    if not meta["conv_bias"]:
+        out.append("the conv steps are bias-free because mgrit.nn.TwoConvStep has no bias option "
+                   "yet (TorchBraid's nn.Conv2d layers carry a bias)")
+    out += [f"data: {meta['dataset']} (bundled 5,000-image MNIST subset: the first "
+            f"{meta['train']} images of its training split, the first {meta['test']} of its "
+            "test split, normalized by the train split's mean/std) instead of MNIST's first "
+            "2,500 training images and the next 500 (normalized by 0.1307/0.3081)",
+            "initial weights: our seeding (PyTorch default initializers), not TorchBraid's "
+            "RNG stream"]
+    return out
+
+
+def write_report(d):
+    """table.md, summary.md and plots from results.h5 (every number read from the file)."""
+    s, meta = read_part(d / "results.h5", "run")
+    names = meta["configs"]
+    t = [np.asarray(s[f"cfg{i}/time"]) for i in range(len(names))]
+    rows = []
+    for i, n in enumerate(names):
+        g = lambda k: s[f"cfg{i}/{k}"][-1]  # noqa: E731
+        rows.append([n, meta["P_L"][i], meta["P_D"][i], float(np.mean(t[i])),
+                     float(np.mean(t[0]) / np.mean(t[i])), g("loss"), g("acc"), g("acc_exact"),
+                     f"{g('fwd_residual'):.2e}"])
+    per = [[e + 1] + [f"{s[f'cfg{i}/acc'][e]:.4f}" for i in range(len(names))]
+           for e in range(meta["epochs"])]
+    diffs = differences(meta)
+    body = ("## Accuracy (valid on a loaded machine) and time per epoch (needs a quiet machine)\n\n"
+            "Time per epoch = sum of the timed training steps (configurations interleaved batch "
+            "by batch), max over ranks, mean over epochs (s), excluding test evaluation; test "
+            "accuracy after the last epoch (layer-parallel: inexact MGRIT forward / exact serial "
+            f"forward of the same weights). Load average during the run: {meta['loadavg']}.\n\n"
+            + reporting.markdown_table(["config", "P_L", "P_D", "s/epoch", "speedup vs serial",
+                                        "train loss (last epoch; data-parallel: replica 0's shards)",
+                                        "test acc", "test acc (exact fwd)",
+                                        "test-forward residual"], rows)
+            + "\n\nTest accuracy per epoch:\n\n"
+            + reporting.markdown_table(["epoch"] + names, per)
+            + "\n\n## Differences from TorchBraid's example defaults\n\n"
+            + "\n".join(f"- {x}" for x in diffs) + "\n")
+    keys = ("command", "commit", "machine", "date", "loadavg", "world_size")
+    reporting.write_table(d / "table.md", "TorchBraid MNIST reproduction",
+                          {k: meta[k] for k in keys}, body)
+    acc = {n: s[f"cfg{i}/acc"][-1] for i, n in enumerate(names)}
+    lines = ["# Study 3: TorchBraid's MNIST example -- layer-parallel vs serial training", "",
+             "Generated by `experiments/reproduce_torchbraid.py` from `results.h5`; `table.md` "
+             "has the full table, command, commit, machine and load.", "",
+             "**What is tested.** TorchBraid's MNIST example is a demonstration with no published "
+             "accuracy table; the claim tested is that layer-parallel training with its inexact "
+             "defaults (3 levels, cfactor 4, 2 forward / 1 backward MGRIT iterations) reaches the "
+             "accuracy of serial training of the same network.", "",
+             f"**Ours** ({meta['train']} training / {meta['test']} test images, {meta['epochs']} "
+             f"epochs, {meta['layers']} two-conv steps, {meta['channels']} channels): test "
+             "accuracy after the last epoch " + ", ".join(f"{n} {v:.4f}" for n, v in acc.items())
+             + "; the layer-parallel weights evaluated with the exact forward: "
+             + ", ".join(f"{n} {s[f'cfg{i}/acc_exact'][-1]:.4f}" for i, n in enumerate(names)
+                         if meta["P_L"][i] > 1) + ".", "",
+             f"**Time per epoch** (load average {meta['loadavg']}; not reliable on a loaded "
+             "machine, rerun the same command on a quiet one): "
+             + ", ".join(f"{r[0]} {r[3]:.2f} s ({r[4]:.2f}x serial)" for r in rows) + ".", "",
+             "**Differences from the example's defaults.**", ""] + [f"- {x}" for x in diffs]
+    (d / "summary.md").write_text("\n".join(lines) + "\n")
+    write_headline(d, [{"claim": "layer-parallel training (inexact defaults) reaches serial accuracy",
+                        "ours": ", ".join(f"{n} {v:.3f}" for n, v in acc.items())
+                                + f" ({meta['epochs']} epochs, {meta['train']} images)",
+                        "kind": "measured"},
+                       {"claim": "time per epoch vs serial (this machine)",
+                        "ours": ", ".join(f"{r[0]} {r[4]:.2f}x" for r in rows[1:])
+                                + f" (load {meta['loadavg']})", "kind": "timing"}], [meta])
+    ep = list(range(1, meta["epochs"] + 1))
+    reporting.plot_lines(d / "accuracy.png", {n: (ep, s[f"cfg{i}/acc"]) for i, n in enumerate(names)},
+                         "epoch", "test accuracy", title="TorchBraid MNIST: accuracy parity")
+    reporting.plot_lines(d / "time_per_epoch.png", {n: (ep, t[i]) for i, n in enumerate(names)},
+                         "epoch", "seconds per epoch", title="TorchBraid MNIST: time per epoch")
 
 
 if __name__ == "__main__":

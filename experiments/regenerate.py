@@ -1,0 +1,258 @@
+"""The one command that regenerates every table in ``experiments/results/`` at one commit.
+
+Usage (from the repository root, after committing the code the tables are to record)::
+
+    python experiments/regenerate.py --full                  # the record: every script, every part
+    python experiments/regenerate.py --full --part accuracy  # what does not need a quiet machine
+    python experiments/regenerate.py --full --part timing    # wall times: run on a quiet machine
+    python experiments/regenerate.py --quick --out /tmp/x    # CI smoke: every script's quick mode
+    python experiments/regenerate.py --quick --only kirby layerwise --jobs 2
+    python experiments/regenerate.py --list                  # the registry and the commands
+    python experiments/regenerate.py --readme-only           # README block from stored results
+
+Every script of :data:`REGISTRY` is launched as its own process (MPI scripts as
+``OMP_NUM_THREADS=1 mpiexec -n K python -m mpi4py SCRIPT``; the venv's mpiexec, or
+``$LAYERPAR_MPIEXEC``). ``--full`` writes into ``experiments/results`` (``--out`` to redirect) and
+then rebuilds the generated block of ``experiments/README.md`` from the studies'
+``headline.json`` files; ``--quick`` writes into a temporary folder (or ``--out``) and never
+touches the committed results. Each run leaves ``MANIFEST.md`` (and ``manifest.json``) in the
+output folder: per script the exact command, exit status, seconds, and the commit of the tree.
+
+Kinds of scripts (``Entry.kind``): ``accuracy`` (deterministic or load-independent results:
+run by ``--part accuracy``), ``timing`` (benchmarks: ``--part timing``), ``mixed`` (accuracy and
+wall times come from one run: both parts), ``parts`` (the script has ``--part accuracy|timing``
+and keeps the other part's stored results: each ``--part`` runs only its own). A registered
+script that does not exist yet is skipped (listed as ``missing``): other helpers' scripts join
+by existing; a script without a quick mode (``quick=None``) is listed as such in quick runs.
+
+Exit status: 0 when every launched script succeeded, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mgrit.training import report as reporting  # noqa: E402
+
+README = ROOT / "experiments" / "README.md"
+BEGIN, END = "<!-- BEGIN GENERATED: regenerate.py -->", "<!-- END GENERATED: regenerate.py -->"
+KINDS = ("accuracy", "timing", "mixed", "parts")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One script: ``{out}`` in the argument lists is the output base folder."""
+    name: str
+    script: str                  # path relative to the repository root
+    ranks: int | None            # None: plain python; K: mpiexec -n K python -m mpi4py
+    full: tuple[str, ...]        # arguments of the record run
+    quick: tuple[str, ...] | None  # arguments of the CI smoke run (None: none yet)
+    kind: str
+    owner: str
+    timeout: int = 6 * 3600      # seconds, record run
+    quick_timeout: int = 600
+
+
+REGISTRY: tuple[Entry, ...] = (
+    Entry("kirby2020", "experiments/reproduce_kirby.py", 2, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "parts", "P3"),
+    Entry("guenther2020", "experiments/reproduce_guenther.py", 2, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "P3"),
+    Entry("torchbraid_mnist", "experiments/reproduce_torchbraid.py", 2,
+          ("--full", "--out", "{out}"), ("--smoke", "--out", "{out}"), "mixed", "P3"),
+    Entry("layerwise", "experiments/reproduce_layerwise.py", 2, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "parts", "P3"),
+    Entry("convergence", "experiments/study_convergence.py", 2, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "accuracy", "P3"),
+    Entry("bench_pymgrit", "experiments/bench_pymgrit.py", None,
+          ("--out", "{out}/bench_pymgrit.md"),
+          ("--quick", "--ranks", "1", "--cases", "dahlquist-L2", "heat-L5", "--out",
+           "{out}/bench_pymgrit.md"), "timing", "P3"),
+    Entry("bench_gpu", "experiments/bench_gpu.py", None, ("--out", "{out}"),
+          ("--dry-run", "--out", "{out}/gpu_dry_run"), "timing", "P3"),
+    Entry("gpu_check", "experiments/gpu_check.py", None, (), ("--dry-run",), "accuracy", "P3"),
+    # other helpers' scripts: they join the command by existing; their CLIs as of this commit
+    Entry("bench_layerparallel", "experiments/bench_layerparallel.py", None,
+          ("--out", "{out}/bench_layerparallel.md"),
+          ("--quick", "--out", "{out}/bench_layerparallel.md"), "timing", "perf helper"),
+    Entry("bench_dataparallel", "experiments/bench_dataparallel.py", None,
+          ("--out", "{out}/bench_dataparallel.md"), None, "timing", "perf helper"),
+    Entry("plan", "experiments/plan.py", None, ("--layers", "4096", "--ranks", "64"), None,
+          "timing", "perf helper"),
+    Entry("bench_data", "experiments/bench_data.py", None, ("--out", "{out}/data_throughput.md"),
+          None, "timing", "G4"),
+    Entry("bench_transformer", "experiments/bench_transformer.py", None, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "timing", "transformer helper"),
+    Entry("bench_gru", "experiments/bench_gru.py", None, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "timing", "GRU helper"),
+    Entry("study_multilevel", "experiments/study_multilevel.py", 2, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
+    Entry("mnist_mgrit_vs_serial", "experiments/compare_mainjob.py", 2, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "G3 (main job)"),
+)
+
+
+def mpiexec() -> str:
+    return os.environ.get("LAYERPAR_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+
+
+def command(e: Entry, mode: str, part: str, out: Path) -> list[str] | None:
+    """The command line of ``e`` in ``mode`` (``quick``/``full``) and ``part``; None when the
+    entry does not run in this mode/part."""
+    args = e.quick if mode == "quick" else e.full
+    if args is None:
+        return None
+    if part != "all":
+        if e.kind == "parts":
+            args = (*args, "--part", part)
+        elif e.kind not in (part, "mixed"):
+            return None
+    args = [a.replace("{out}", str(out)) for a in args]
+    head = [sys.executable] if e.ranks is None else [mpiexec(), "-n", str(e.ranks),
+                                                    sys.executable, "-m", "mpi4py"]
+    return head + [str(ROOT / e.script)] + args
+
+
+def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    log = logdir / f"{e.name}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"name": e.name, "command": " ".join(cmd), "status": "ok" if rc == 0 else f"failed ({rc})",
+            "seconds": round(time.perf_counter() - t0, 1), "log": str(log), "kind": e.kind,
+            "owner": e.owner}
+
+
+def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: int) -> list[dict]:
+    """Run the selected entries (``jobs`` at a time); returns one record per entry."""
+    out.mkdir(parents=True, exist_ok=True)
+    logdir = out / "logs"
+    logdir.mkdir(exist_ok=True)
+    records, todo = [], []
+    for e in REGISTRY:
+        if only and e.name not in only:
+            continue
+        base = {"name": e.name, "kind": e.kind, "owner": e.owner, "seconds": 0.0, "command": ""}
+        if not (ROOT / e.script).is_file():
+            records.append(dict(base, status=f"missing ({e.script} does not exist yet)"))
+            continue
+        cmd = command(e, mode, part, out)
+        if cmd is None:
+            why = "no quick mode yet" if mode == "quick" and e.quick is None else f"not in part {part}"
+            records.append(dict(base, status=f"skipped ({why})"))
+            continue
+        todo.append((e, cmd, e.quick_timeout if mode == "quick" else e.timeout))
+    with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futs = [pool.submit(_run, e, cmd, t, logdir) for e, cmd, t in todo]
+        for f in futs:
+            r = f.result()
+            print(f"[{r['status']}] {r['name']} ({r['seconds']} s): {r['command']}", flush=True)
+            records.append(r)
+    order = {e.name: i for i, e in enumerate(REGISTRY)}
+    return sorted(records, key=lambda r: order[r["name"]])
+
+
+def write_manifest(out: Path, records: list[dict], mode: str, part: str) -> None:
+    meta = reporting.run_metadata()
+    rows = [[r["name"], r["kind"], r["owner"], r["status"], r["seconds"], f"`{r['command']}`"]
+            for r in records]
+    body = (f"Mode `{mode}`, part `{part}`. Timing-sensitive kinds (`timing`, `mixed`, the "
+            "`timing` part of `parts`) are valid only from a quiet machine.\n\n"
+            + reporting.markdown_table(["script", "kind", "owner", "status", "seconds", "command"],
+                                       rows))
+    reporting.write_table(out / "MANIFEST.md", "Results regenerated by experiments/regenerate.py",
+                          meta, body)
+    (out / "manifest.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+def readme_block(results: Path) -> str:
+    """The generated block of experiments/README.md: every study's headline rows (written by
+    the study from its results) with the commit of the run that produced them."""
+    rows = []
+    for e in REGISTRY:
+        # a study folder (results/<name>/headline.json + summary.md) or a benchmark table
+        # (results/<name>.headline.json beside results/<name>.md)
+        for f, link in ((results / e.name / "headline.json", f"results/{e.name}/summary.md"),
+                        (results / f"{e.name}.headline.json", f"results/{e.name}.md")):
+            if f.is_file():
+                h = json.loads(f.read_text())
+                rows += [[f"[{e.name}]({link})", r["claim"], r["ours"], r.get("kind", "measured"),
+                          ", ".join(h["commits"])] for r in h["rows"]]
+    if not rows:
+        return "No study has written headline.json yet."
+    return reporting.markdown_table(["study", "published claim / question", "ours",
+                                     "kind", "commit of the run"], rows)
+
+
+def update_readme(results: Path) -> None:
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{README} has no generated block ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(head + BEGIN + "\n" + readme_block(results) + "\n" + END + tail)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--full", action="store_true", help="the record (default)")
+    mode.add_argument("--quick", "--smoke", action="store_true", help="CI smoke, temporary output")
+    mode.add_argument("--list", action="store_true", help="print the registry and exit")
+    mode.add_argument("--readme-only", action="store_true",
+                      help="rebuild the generated block of experiments/README.md from the "
+                           "headline.json files in experiments/results, run nothing")
+    ap.add_argument("--part", choices=("all", "accuracy", "timing"), default="all")
+    ap.add_argument("--only", nargs="+", default=None, help="registry names")
+    ap.add_argument("--out", default=None,
+                    help="output base folder (default: experiments/results; --quick: a temp folder)")
+    ap.add_argument("--jobs", type=int, default=1, help="scripts run at once (default 1)")
+    a = ap.parse_args(argv)
+    names = {e.name for e in REGISTRY}
+    for n in a.only or ():
+        if n not in names:
+            raise SystemExit(f"--only {n}: not in the registry ({', '.join(sorted(names))})")
+    m = "quick" if a.quick else "full"
+    if a.list:
+        for e in REGISTRY:
+            cmd = command(e, "full", "all", Path("experiments/results"))
+            print(f"{e.name:24s} {e.kind:9s} {e.owner:20s} "
+                  f"{'(missing) ' if not (ROOT / e.script).is_file() else ''}{' '.join(cmd or [])}")
+        return 0
+    if a.readme_only:
+        update_readme(ROOT / "experiments" / "results")
+        return 0
+    if a.out is not None:
+        out = Path(a.out)
+    else:
+        out = Path(tempfile.mkdtemp(prefix="layerpar_quick_")) if a.quick else ROOT / "experiments" / "results"
+    records = run_all(m, a.part, out, a.only, a.jobs)
+    write_manifest(out, records, m, a.part)
+    if m == "full" and out.resolve() == (ROOT / "experiments" / "results").resolve():
+        update_readme(out)
+    failed = [r["name"] for r in records if r["status"].startswith("failed")]
+    print(f"wrote {out / 'MANIFEST.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
