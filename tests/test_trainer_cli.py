@@ -119,23 +119,14 @@ def test_help_shows_each_default_once():
     assert "(default: on in inexact mode, off with --tol > 0)" in text
 
 
-SCRIPT = '''\
-import sys, torch
-from torch import nn
-from data import load_dataset
-from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
-from mgrit.parallel import ProcessGrid
-from mgrit.training import ConsoleLog, Trainer
-torch.set_default_dtype(torch.float64)
-grid = ProcessGrid(data_parallel=2)                     # 4 ranks: 2 layer ranks x 2 replicas
-train, test = load_dataset("digits")
-resnet = LayerParallelResNet.build(lambda k: DenseStep(16, "tanh"), 8, (16,), comm=grid.layer_comm)
-torch.manual_seed(0)                                    # opening, closing: same on any rank count
-net = LayerParallelNet(nn.Sequential(nn.Flatten(), nn.Linear(64, 16)), resnet, nn.Linear(16, 10))
-trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), grid,
-                  callbacks=[ConsoleLog()], checkpoint=sys.argv[1])
-print("final", trainer.fit(train, epochs=2, batch_size=50, seed=0, test=test).final)
-'''
+def _readme_script() -> str:
+    """The python block under "Using the layer-parallel ResNet" in README.md."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using the layer-parallel ResNet", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+SCRIPT = _readme_script()
 
 
 def _serial_reference():
