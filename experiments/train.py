@@ -1,13 +1,14 @@
 """Main job: train a deep ResNet layer-parallel with MGRIT (or serially / layer-wise) on real data.
 
 Launch (the README's first command; default: mnist5k, dense ResNet of 32 tanh steps, width 32,
-2 epochs, 3 levels / cfactor 4 / 2+1 iterations; 2 ranks in about 1-2 minutes)::
+2 epochs, 3 levels / cfactor 4 / 2+1 iterations; 2 ranks: about 20 s of training on 2 cores)::
 
     mpiexec -n 2 python -m mpi4py experiments/train.py
     python experiments/train.py --serial                        # the serial reference, 1 rank
     mpiexec -n 4 python -m mpi4py experiments/train.py --dp 2   # 2 layer ranks x 2 replicas
 
-Flag parsing here, everything else in the library: :func:`mgrit.training.job.run_job` (grid,
+Flag parsing here (the flags: :mod:`mgrit.training.flags`), everything else in the library:
+:func:`mgrit.training.job.run_job` (grid,
 run directory, data, :mod:`mgrit.training.models`, optimizer, callbacks) trains through
 :class:`mgrit.training.Trainer` (``--method mgrit|serial``) or ``layerwise``
 (``--method sequential|decoupled``). Every sample of every epoch is used for any ``--dp``
@@ -19,7 +20,6 @@ Output (rank 0): ``RUN/config.json``, ``metrics.h5``, ``summary.json``, ``curves
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,151 +32,12 @@ from mpi4py import MPI  # noqa: E402
 
 from mgrit.training.cli import JobParser  # noqa: E402
 from mgrit.training.faults import fail_fast  # noqa: E402
-from mgrit.training.job import OPTIMIZERS, run_job  # noqa: E402
-from data import TEXT_CORPORA  # noqa: E402
-from mgrit.training.jobconfig import BIAS_ACTIONS, BUNDLED, METHODS, JobConfig  # noqa: E402
-from mgrit.training.models import MODELS  # noqa: E402
-
-D = JobConfig()  # the defaults
-
+from mgrit.training.flags import job_parser  # noqa: E402
+from mgrit.training.job import run_job  # noqa: E402
 
 def build_parser() -> JobParser:
-    p = JobParser(prog="experiments/train.py", description="Train a deep ResNet layer-parallel "
-                  "with MGRIT over MPI (or serially / layer-wise). Run as: mpiexec -n P python "
-                  "-m mpi4py experiments/train.py ...")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=D.dataset, help=f"data set name (bundled, no download: "
-                   f"{', '.join(BUNDLED)}; others from data.available_datasets() and hdf5 need "
-                   f"--data-root; text corpus for --model gpt: {', '.join(TEXT_CORPORA)})")
-    g.add_argument("--data-root", default=D.data_root, help="folder with the data set's files "
-                   "(mnist, fashion-mnist, cifar10, hdf5); ignored by bundled sets")
-    g.add_argument("--test-fraction", type=float, default=D.test_fraction,
-                   help="test share for sets without a shipped split (seeded stratified split)")
-    g.add_argument("--limit-train", type=int, default=D.limit_train,
-                   help="use only the first N training samples (0 = all)")
-    g.add_argument("--limit-test", type=int, default=D.limit_test,
-                   help="use only the first N test samples (0 = all)")
-    g = p.add_argument_group("network")
-    g.add_argument("--model", choices=sorted(MODELS), default=D.model,
-                   help="network family (mgrit.training.models)")
-    g.add_argument("--step", choices=("dense", "conv", "twoconv"), default=D.step,
-                   help="residual step F: dense act(Wx+b), conv act(K*x+b), twoconv "
-                        "act(K2*act(K1*x)) (TorchBraid's MNIST block)")
-    g.add_argument("--layers", type=int, default=D.layers, help="N, number of residual steps "
-                   "(staged-resnet: per segment; gpt: of the layer-parallel stack)")
-    g.add_argument("--width", type=int, default=D.width, help="state width of dense steps")
-    g.add_argument("--channels", type=int, default=D.channels, help="channels of conv steps")
-    g.add_argument("--kernel", type=int, default=D.kernel, help="kernel size of conv steps (odd)")
-    g.add_argument("--T", type=float, default=D.T, help="final time; step size h = T / N "
-                   "(transformers: --T N gives h = 1, the standard pre-LN transformer)")
-    g.add_argument("--activation", choices=("tanh", "relu", "smoothrelu"), default=D.activation,
-                   help="activation of the steps and the opening layer")
-    g = p.add_argument_group("transformers and staged ResNet (--model vit|gpt|staged-resnet)")
-    g.add_argument("--d-model", type=int, default=D.d_model, help="transformer width")
-    g.add_argument("--heads", type=int, default=D.heads, help="attention heads (divide --d-model)")
-    g.add_argument("--d-ff", type=int, default=D.d_ff, help="MLP hidden width (0 = 4 d_model)")
-    g.add_argument("--patch", type=int, default=D.patch, help="vit: patch side (divides the "
-                   "image size)")
-    g.add_argument("--context", type=int, default=D.context, help="gpt: characters per sample "
-                   "and model positions")
-    g.add_argument("--buffer-layers", type=int, default=D.buffer_layers, help="gpt: serial "
-                   "decoder blocks before and after the layer-parallel stack (each side)")
-    g = p.add_argument_group("recurrent (--model gru; mgrit.training.recurrent_models)")
-    g.add_argument("--hidden", type=int, default=D.hidden, help="GRU hidden size")
-    g.add_argument("--seq-len", type=int, default=D.seq_len, help="--dataset adding: time "
-                   "steps per sequence")
-    g.add_argument("--gru-coarse", choices=("power", "implicit"), default=D.gru_coarse,
-                   help="coarse-level GRU step of MGRIT in time")
-    g.add_argument("--gru-eval-rtol", type=float, default=D.gru_eval_rtol, help="inexact mode: "
-                   "evaluation forwards iterate to this relative residual (FCF, <= 50 cycles); "
-                   "0 = the training cycles")
-    g = p.add_argument_group("multilevel initialization in depth (Cyr et al. 2019)")
-    g.add_argument("--multilevel-init", type=int, default=D.multilevel_init, metavar="L",
-                   help="train at depths N/2^(L-1), ..., N/2, N, prolonging the weights between "
-                        "them (0 = off; 1 = depth N only)")
-    g.add_argument("--init-epochs", default=D.init_epochs, help="epochs per coarse depth, "
-                   "coarsest first, comma separated, last repeated (--epochs at depth N)")
-    g.add_argument("--prolong", choices=("constant", "linear"), default=D.prolong,
-                   help="prolongation of the weights in depth")
-    g = p.add_argument_group("MGRIT (--method mgrit)")
-    g.add_argument("--levels", type=int, default=D.levels, help="maximum number of MGRIT levels")
-    g.add_argument("--cfactor", type=int, default=D.cfactor, help="coarsening factor")
-    g.add_argument("--fwd-iters", type=int, default=D.fwd_iters, help="forward MGRIT cycles "
-                   "(with --tol 0: exactly this many; with --tol > 0 the cap is max(this, 50))")
-    g.add_argument("--bwd-iters", type=int, default=D.bwd_iters, help="backward (adjoint) MGRIT "
-                   "cycles (with --tol 0: exactly this many; with --tol > 0 the cap is max(this, 50))")
-    g.add_argument("--relax", default=D.relax, help="relaxation per level, comma separated, last "
-                   "repeated (F, FCF, FCFCF...)")
-    g.add_argument("--tol", type=float, default=D.tol, help="0 = inexact training (fixed "
-                   "--fwd-iters/--bwd-iters cycles); > 0 = iterate to this absolute residual "
-                   "tolerance (exact mode)")
-    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=D.warm_start,
-                   help="start each forward solve from the previous batch's states (default: on "
-                        "in inexact mode, off with --tol > 0)")
-    g.add_argument("--warm-start-adjoint", action="store_true", help="also start each adjoint "
-                   "solve from the previous batch's adjoints (Guenther et al. 2020)")
-    g.add_argument("--nested-iteration", action="store_true", help="start each forward and "
-                   "adjoint solve from the coarsest level's solution interpolated up (PyMGRIT's "
-                   "default) instead of the warm start (implies --no-warm-start); better for "
-                   "transformers, whose states differ from batch to batch")
-    g.add_argument("--adjoint", choices=("mgrit", "serial"), default=D.adjoint,
-                   help="backward solve: adjoint MGRIT, or a serial sweep across ranks")
-    g.add_argument("--skip-first-relaxation", action="store_true",
-                   help="skip relaxation on the first down-cycle (XBraid's skip)")
-    g = p.add_argument_group("training")
-    g.add_argument("--method", choices=METHODS, default=D.method, help="training method")
-    g.add_argument("--serial", action="store_true", help="shortcut for --method serial")
-    g.add_argument("--epochs", type=int, default=D.epochs,
-                   help="epochs (sequential: epochs per layer)")
-    g.add_argument("--batch-size", type=int, default=D.batch_size, help="global batch size")
-    g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=D.optimizer,
-                   help="optimizer")
-    g.add_argument("--lr", type=float, default=D.lr, help="learning rate")
-    g.add_argument("--momentum", type=float, default=D.momentum, help="SGD momentum")
-    g.add_argument("--seed", type=int, default=D.seed, help="seed of data split, batches and "
-                   "weights")
-    g.add_argument("--dtype", choices=("float32", "float64"), default=D.dtype,
-                   help="parameter and state dtype")
-    g.add_argument("--eval-batch-size", type=int, default=D.eval_batch_size,
-                   help="batch size of the test-set evaluation")
-    g.add_argument("--stages", type=int, default=D.stages,
-                   help="decoupled: number of stages K (0 = one per layer rank)")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--dp", type=int, default=D.dp, help="data-parallel replicas P_D (P_L = world "
-                   "size / dp); 0 = 1 for mgrit and decoupled, world size for serial and sequential")
-    g.add_argument("--threads", type=int, default=D.threads, help="torch intra-op threads per "
-                   "rank (0 = 1 when world size > 1, else torch's default)")
-    g = p.add_argument_group("reliability and output")
-    g.add_argument("--guard", choices=("off", "warn", "add_iterations", "serial"), default=D.guard,
-                   help="--method mgrit: action when an MGRIT residual grows over 3 cycles "
-                        "(logged to RUN/guard.jsonl). Independently of it, a NaN/Inf residual "
-                        "stops the run naming the first layer whose state is not finite")
-    g.add_argument("--bias-monitor", choices=BIAS_ACTIONS, default=D.bias_monitor,
-                   help="--method mgrit, inexact mode: every --bias-every steps compare the "
-                        "step's gradient with a serial-equivalent solve of its batch (cost about "
-                        "one serial step per check); when the bias exceeds --bias-ratio x the SGD "
-                        "noise in --bias-window checks in a row: raise (+1 forward/backward cycle, "
-                        "up to 8, then serial), serial (one-level exact solves from then on) or "
-                        "log only; every check is logged to RUN/bias.jsonl "
-                        "(mgrit.training.bias)")
-    g.add_argument("--bias-every", type=int, default=D.bias_every, help="steps between bias "
-                   "checks (20-100 keeps the overhead at a few percent)")
-    g.add_argument("--bias-ratio", type=float, default=D.bias_ratio, help="bias dominates when "
-                   "bias > ratio x noise; below 1 because the bias adds up over steps while "
-                   "the noise averages out (smaller reacts earlier)")
-    g.add_argument("--bias-window", type=int, default=D.bias_window, help="consecutive "
-                   "dominated checks before acting")
-    g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every,
-                   help="--method mgrit|serial: save RUN/checkpoint.pt every K optimizer steps and "
-                        "after every epoch (0 = no checkpoints); atomic")
-    g.add_argument("--resume", default=D.resume, help="--method mgrit|serial: checkpoint to "
-                   "continue from (same data, batch size and seed; any number of ranks; mgrit "
-                   "and serial checkpoints load into each other)")
-    g.add_argument("--out", default=D.out, help="run directory (default runs/<method>-<timestamp>)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    g.add_argument("--debug", action="store_true", help="on failure, print the full traceback "
-                   "too (it is always kept in RUN/error-rank-R.log)")
-    return p
+    """The job's parser (:func:`mgrit.training.flags.job_parser`)."""
+    return job_parser("experiments/train.py")
 
 
 def main(argv=None) -> int:

@@ -269,6 +269,9 @@ def abort_quietly(comm: MPI.Comm | None = None, exit_code: int = 1) -> None:
     comm = MPI.COMM_WORLD if comm is None else comm
     sys.stdout.flush()
     sys.stderr.flush()
+    # as in fail_fast: give the launcher's proxy time to forward what was printed (under load
+    # MPICH's hydra dropped the error line of an immediately aborting job, 2 of ~30 runs)
+    time.sleep(0.5)
     _silence_stderr()
     comm.Abort(exit_code)
 

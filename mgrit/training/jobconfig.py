@@ -200,7 +200,9 @@ class JobConfig:
         names = available_datasets()
         if c.dataset not in names:
             raise ValueError(f"--dataset={c.dataset!r} is unknown: use one of "
-                             f"{sorted(set(names) | {'hdf5'})}")
+                             f"{sorted(set(names) | {'hdf5'})} (images), "
+                             f"{list(TEXT_CORPORA)} (text, --model gpt) or "
+                             f"{list(SEQUENCE_TASKS)} (sequences, --model gru)")
 
     @staticmethod
     def _check_initial_guess(c: "JobConfig") -> None:

@@ -12,7 +12,6 @@ Trainer (serial and layer-parallel networks, unequal and empty shards) equals on
 (float64, 1e-12).
 
 Checks sharing a rank count run in one launch (interpreter start-up dominates)."""
-import time
 
 from tests.mpi_harness import run_mpi
 
@@ -109,9 +108,10 @@ def test_two_stages_times_two_replicas_equals_single_process():
 
 
 def test_error_on_one_rank_aborts_instead_of_hanging():
+    """The job ends with rank 0's message; a hang would end in the harness's timeout instead
+    (no wall-clock assertion: the test cannot fail on a slow machine for being slow)."""
     import pytest
-    t0 = time.perf_counter()
     with pytest.raises(pytest.fail.Exception) as info:
-        run_mpi(f"{CASES}:check_error_aborts", 2, timeout=60)
+        run_mpi(f"{CASES}:check_error_aborts", 2, timeout=120)
     assert "deliberate failure on rank 0" in str(info.value)
-    assert time.perf_counter() - t0 < 40
+    assert "TIMED OUT" not in str(info.value)
