@@ -123,13 +123,12 @@ def compile_fns(lean, block, enabled):
         return None, None, f"does not compile here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def calibrate_repeat(lp, lp1, serial_layers, x, m, clock, lean, cal_reps, opt_time, refresh):
+def calibrate_repeat(lp, lp1, serial_layers, x, m, clock, lean, cal_reps, opt_time):
     """One repeat's calibration (JSON): MGRIT's TrainCosts (2 levels; the exact path), the
     nn.Sequential and lean NetCosts of this rank's layers (lean: its first <= 256 layers)."""
     n = len(lp.steps)
-    tc = cal.chain_costs(lp, x, m, clock, cal_reps, 10, lp.fwd_opts, opt_time / n, refresh / n)
-    tc1 = cal.chain_costs(lp1, x, m, clock, cal_reps, 10, ONE, opt_time / n, refresh / n,
-                          pgrad_batched=False)
+    tc = cal.chain_costs(lp, x, m, clock, cal_reps, 10, lp.fwd_opts, opt_time / n)
+    tc1 = cal.chain_costs(lp1, x, m, clock, cal_reps, 10, ONE, opt_time / n)
     mod = netcal.module_costs(None, [l.F for l in serial_layers], serial_layers[0].h, None,
                               lambda o, t: loss_fn(o), x, None, MOD_SIZES, cal_reps, clock,
                               depth=256, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
@@ -178,8 +177,8 @@ def single_process(N, ms, reps, relax, compiled, clock, cal_reps):
     for _ in range(reps):
         for k, fn in ta.items():
             train[k].append(timed(fn))
-        t_opt, t_ref = timed(o_l.step), timed(lp._chain.refresh)
-        cals.append(calibrate_repeat(lp, exact, net, x, best_m, clock, lean, cal_reps, t_opt, t_ref))
+        t_opt = timed(o_l.step)
+        cals.append(calibrate_repeat(lp, exact, net, x, best_m, clock, lean, cal_reps, t_opt))
     kern = netcal.kernel_cost(WIDTH, BATCH, repeats=max(cal_reps, 3), clock=clock)
     return dict(N=N, ms=ms, best_m=best_m, fwd=fwd, train=train, err=err, stats=stats_a, cal=cals,
                 compile=cnote, kernel=[kern.single, kern.call, kern.item],

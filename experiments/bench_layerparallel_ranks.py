@@ -139,11 +139,8 @@ def main():
         t0 = clk()
         o_l.step()
         t_opt = clk() - t0
-        t0 = clk()
-        lp._chain.refresh()
-        t_ref = clk() - t0
         cals.append(calibrate_repeat(lp, exact, seq, x, m, clk, lean_stage.net, a.cal_repeats,
-                                     t_opt, t_ref))
+                                     t_opt))
     mem = [saved_bytes(lambda: pipe_step(chain_mod, o_c))]
     lp_train_step(lp, x, o_l)
     mem.append(saved_bytes(lambda: lp(x if first else None, batch_size=BATCH)) + lp_state_bytes(lp))

@@ -101,6 +101,13 @@ REGISTRY: tuple[Entry, ...] = (
           ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
     Entry("mnist_mgrit_vs_serial", "experiments/compare_mainjob.py", 2, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "G3 (main job)"),
+    # the main job's records of issues 15 and 18 (the scripts launch their 2-rank jobs)
+    Entry("transformers", "experiments/transformer_records.py", None, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "transformer helper"),
+    Entry("gru", "experiments/study_gru.py", None, ("--full", "--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "GRU helper"),
+    Entry("bias_monitor", "experiments/study_bias.py", 2, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "accuracy", "bias helper"),
 )
 
 

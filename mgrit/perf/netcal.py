@@ -170,8 +170,7 @@ def mgrit_costs(steps: Sequence[nn.Module], state_shape, T: float, z: torch.Tens
     m = options.cfactor if isinstance(options.cfactor, int) else options.cfactor[0]
     zz = z.detach().requires_grad_(False)
     lp(zz).sum().backward()
-    refresh = _med(lp._chain.refresh, repeats, clock) / len(steps)
-    c = calibration.chain_costs(lp, zz, m, clock, repeats, inner, options, per_layer_opt, refresh)
+    c = calibration.chain_costs(lp, zz, m, clock, repeats, inner, options, per_layer_opt)
     for p in lp.parameters():
         p.grad = None
     return c
