@@ -124,16 +124,20 @@ def compile_fns(lean, block, enabled):
 
 
 def calibrate_repeat(lp, lp1, serial_layers, x, m, clock, lean, cal_reps, opt_time):
-    """One repeat's calibration (JSON): MGRIT's TrainCosts (2 levels; the exact path), the
+    """One repeat's calibration (JSON): MGRIT's TrainCosts (2 levels; the exact path; the
+    2-level forward with Kirby's one-level adjoint), the
     nn.Sequential and lean NetCosts of this rank's layers (lean: its first <= 256 layers)."""
     n = len(lp.steps)
     tc = cal.chain_costs(lp, x, m, clock, cal_reps, 10, lp.fwd_opts, opt_time / n)
     tc1 = cal.chain_costs(lp1, x, m, clock, cal_reps, 10, ONE, opt_time / n)
+    # Kirby's variant: lp's multilevel forward, then a one-level (serial) adjoint
+    tk = cal.chain_costs(lp, x, m, clock, cal_reps, 10, lp.fwd_opts, opt_time / n, backward=ONE)
     mod = netcal.module_costs(None, [l.F for l in serial_layers], serial_layers[0].h, None,
                               lambda o, t: loss_fn(o), x, None, MOD_SIZES, cal_reps, clock,
                               depth=256, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
     ln = netcal.lean_costs(lean.slice(0, min(lean.n_layers, 256)), LEAN_SIZES, cal_reps, clock)
     return {"mgrit": cal.costs_to_json(tc), "exact": cal.costs_to_json(tc1),
+            "kirby": cal.costs_to_json(tk),
             "module": st.netcosts_to_json(mod), "lean": st.netcosts_to_json(ln)}
 
 

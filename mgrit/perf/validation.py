@@ -49,8 +49,10 @@ def _opts(m, iters, relax, levels=2):
 def kirby_table(sources: dict, latencies: Sequence[float] = (1e-6, 10e-6, 50e-6, 100e-6),
                 bandwidth: float = 10e9, setting: dict = KIRBY) -> list:
     """``sources``: ``name -> (module NetCosts, lean NetCosts, TrainCosts of 2-level MGRIT,
-    TrainCosts of the exact path)`` (per-layer costs at ``setting['batch']``; the lean curves
-    down to batch 1 for GPipe's micro-batches). Returns markdown lines."""
+    TrainCosts of the 2-level forward with a one-level adjoint)`` (per-layer costs at
+    ``setting['batch']``, the last from ``chain_costs(..., backward=MGRITOptions(max_levels=1))``:
+    the adjoint's single steps of Kirby's serial sweep; the lean curves down to batch 1 for
+    GPipe's micro-batches). Returns markdown lines."""
     s = setting
     N, P, b, m = s["N"], s["P"], s["batch"], s["m"]
     fo, bo = _opts(m, s["K_f"], s["relax"], s["levels"]), _opts(m, s["K_b"], s["relax"], s["levels"])
