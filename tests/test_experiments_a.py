@@ -6,8 +6,6 @@ summaries are generated, not written by hand). Plus the registry logic and the p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,31 +13,21 @@ import h5py
 import numpy as np
 import pytest
 
+from tests.regenerate_quick import logs, run_quick
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-TIMEOUT = int(os.environ.get("LAYERPAR_SMOKE_TIMEOUT", "600"))
 ONLY = ["kirby2020", "torchbraid_mnist", "convergence", "bench_pymgrit"]
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    if not MPIEXEC.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable}")
-    out = tmp_path_factory.mktemp("quick")
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "regenerate.py"), "--quick",
-                        "--jobs", "2", "--out", str(out), "--only", *ONLY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    return out, p
-
-
-def _logs(out):
-    return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in (out / "logs").glob("*.log"))
+    return run_quick(tmp_path_factory, ONLY)
 
 
 def test_regenerate_quick_runs_every_script(quick):
     out, p = quick
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + _logs(out)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs(out)
     recs = {r["name"]: r for r in json.loads((out / "manifest.json").read_text())["records"]}
     assert sorted(recs) == sorted(ONLY)
     assert all(r["status"] == "ok" for r in recs.values()), recs

@@ -14,28 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.regenerate_quick import logs, run_quick
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-TIMEOUT = int(os.environ.get("LAYERPAR_SMOKE_TIMEOUT", "600"))
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check"]
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    if not MPIEXEC.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable}")
-    out = tmp_path_factory.mktemp("quick")
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "regenerate.py"), "--quick",
-                        "--jobs", "2", "--out", str(out), "--only", *ONLY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    return out, p
+    return run_quick(tmp_path_factory, ONLY)
 
 
 def test_regenerate_quick_runs_every_script(quick):
     out, p = quick
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in (out / "logs").glob("*.log"))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs(out)
     recs = {r["name"]: r for r in json.loads((out / "manifest.json").read_text())["records"]}
     assert all(recs[n]["status"] == "ok" for n in ONLY), recs
 
