@@ -94,17 +94,9 @@ def lp_train_step(lp, x, opt, batch=BATCH):
 
 def lp_forward_cold(lp, x, batch=BATCH):
     with torch.no_grad():
-        warm, lp._warm, lp.warm_start = lp._warm, None, False
+        lp.warm_start = False  # a cold start: the warm state is neither read nor replaced
         lp(x if lp.is_first else None, batch_size=batch)
-        lp._warm, lp.warm_start = warm, True
-
-
-def timer(clock):
-    def timed(fn):
-        t0 = clock()
-        fn()
-        return clock() - t0
-    return timed
+        lp.warm_start = True
 
 
 def compile_fns(lean, block, enabled):
@@ -143,7 +135,7 @@ def calibrate_repeat(lp, lp1, serial_layers, x, m, clock, lean, cal_reps, opt_ti
 
 # -- one process ------------------------------------------------------------------------------
 def single_process(N, ms, reps, relax, compiled, clock, cal_reps):
-    timed = timer(clock)
+    timed = cal.timer(clock)
     torch.manual_seed(0)
     x = torch.randn(BATCH, WIDTH)
     net = make_serial(N)
@@ -170,7 +162,8 @@ def single_process(N, ms, reps, relax, compiled, clock, cal_reps):
     lp = lps[best_m]
     stats_a = lp.last_forward.stats.as_dict()
     o_s, o_l, o_e = (torch.optim.SGD(p, LR) for p in (net.parameters(), lp.parameters(), exact.parameters()))
-    lp.warm_start, lp._warm = True, None
+    lp.warm_start = True
+    lp.set_warm_state(None)
     ta = {"seq": lambda: serial_train_step(net, x, o_s), "lean": lambda: lean_t.train_step(x, LR),
           **({"compiled": lambda: ct(x, LR)} if ct else {}),
           "mgrit": lambda: lp_train_step(lp, x, o_l), "exact1": lambda: lp_train_step(exact, x, o_e)}
@@ -203,12 +196,13 @@ def saved_bytes(fn):
 
 
 def lp_state_bytes(lp):
-    """MGRIT states of both solvers + stacked parameters (private attributes: 0 if renamed)."""
+    """MGRIT states of both solvers + stacked parameters (the solvers' and the chain's private
+    buffers: 0 if renamed)."""
     b = 0
-    for s in (getattr(lp, "_fsolver", None), getattr(lp, "_bsolver", None)):
+    for s in (lp.forward_solver, lp.backward_solver):
         for stt in getattr(s, "_st", []) or []:
             b += sum(t.numel() * t.element_size() for t in (stt.u, stt.g, stt.v) if t is not None)
-    stack = getattr(getattr(lp, "_chain", None), "_stack", None)
+    stack = getattr(lp.chain, "_stack", None)
     if stack is not None:
         b += sum(t.numel() * t.element_size() for t in stack.tensors.values())
     return b

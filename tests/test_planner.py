@@ -10,7 +10,6 @@ import pytest
 import torch
 from mpi4py import MPI
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from mgrit import perf
 from mgrit.nn import DenseStep, serial_resnet
@@ -20,6 +19,7 @@ from mgrit.perf import netcal, planner, strategies as st
 from mgrit.perf.lean import LeanResNet
 from mgrit.solver import MGRIT
 from tests.chains import BatchedTanhChain
+from tests.test_perf import OpClock
 
 KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages", "allreduces")
 
@@ -192,28 +192,6 @@ def test_mgrit_configs():
     cs = planner.mgrit_configs(32, cfactors=(4, 8, 16), max_levels=3, relaxes=("F",))
     assert {(c.cfactor, c.levels) for c in cs} == {(4, 2), (4, 3), (8, 2), (16, 2)}
     assert all(32 // c.cfactor ** (c.levels - 1) >= 2 for c in cs)
-
-
-class OpClock(TorchFunctionMode):
-    """A deterministic clock: the number of torch calls made while the mode is active (as in
-    tests/test_perf.py), so calibrated costs are exact counts on a busy or an idle CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-    def __call__(self) -> float:
-        return float(self.n)
-
-    def count(self, fn) -> float:
-        with self:
-            t0 = self()
-            fn()
-            return self() - t0
 
 
 def test_netcal_costs_are_the_counts_they_stand_for():

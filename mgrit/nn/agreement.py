@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from mpi4py import MPI
 
-__all__ = ["agree_backward"]
+__all__ = ["agree_backward", "saved_or_error"]
 
 
 def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None,
@@ -65,3 +67,18 @@ def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None
     if errs:
         raise RuntimeError("; ".join(errs))
     return tuple(any(t[2][i] for _, t in gathered) for i in range(len(need)))
+
+
+def saved_or_error(ctx, forward_id: int, what: str) -> tuple:
+    """``(ctx.saved_tensors, None)``, or ``(None, message)`` when autograd refuses them (an
+    in-place change, a freed graph) or when the backward is recorded for a double backward
+    (``create_graph=True``, unsupported: the gradients of ``what`` are not differentiable).
+    Local: the message goes to :func:`agree_backward`, which ends the backward on every rank."""
+    try:
+        saved = ctx.saved_tensors  # autograd's version check and freed-graph check
+    except RuntimeError as exc:
+        return None, f"backward of forward #{forward_id} of this {what}: {exc}"
+    if torch.is_grad_enabled():
+        return saved, (f"double backward (create_graph=True) through a {what} is not "
+                       f"supported: its gradients are not differentiable")
+    return saved, None

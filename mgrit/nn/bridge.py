@@ -23,7 +23,7 @@ import operator
 
 import torch
 
-from .agreement import agree_backward
+from .agreement import agree_backward, saved_or_error
 from .chains import AdjointChain
 
 __all__ = ["MGRITFunction", "node_backward", "version_error"]
@@ -97,15 +97,7 @@ class MGRITFunction(torch.autograd.Function):
 def node_backward(model, ctx, grad) -> tuple:
     """Gradients of one forward (``ctx``) of ``model`` for ``(x0, *params)`` (the node's
     parameter inputs: unique parameters, or stacked ones)."""
-    error = None
-    try:
-        saved = ctx.saved_tensors  # autograd's version check and freed-graph check
-    except RuntimeError as exc:
-        saved, error = None, (f"backward of forward #{ctx.forward_id} of this "
-                              f"LayerParallelResNet: {exc}")
-    if error is None and torch.is_grad_enabled():
-        error = ("double backward (create_graph=True) through a LayerParallelResNet is not "
-                 "supported: its gradients are not differentiable")
+    saved, error = saved_or_error(ctx, ctx.forward_id, "LayerParallelResNet")
     if error is None and ctx.stacked_inputs:
         error = version_error(model._checked, ctx.versions, model._checked_names)
     need_x = model.is_first and ctx.needs_input_grad[3]

@@ -45,7 +45,7 @@ class SolverControls:
         """This rank's states of the latest forward, ``(hi - lo, batch, *state_shape)`` (row
         ``i`` is the input of layer ``lo + i``; the last layer rank's last row is the output),
         or ``None`` before any forward. The tensor the forward produced, not a copy."""
-        return self._states
+        return None if self.last_forward is None else self.last_forward.states
 
     @property
     def n_levels(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .agreement import agree_backward
+from .agreement import agree_backward, saved_or_error
 from .gru_chains import GRUAdjointChain, GRUChain
 
 __all__ = ["GRUFunction"]
@@ -64,14 +64,7 @@ class GRUFunction(torch.autograd.Function):
 def gru_backward(model, ctx, g_last, g_seq) -> tuple:
     """Gradients of one forward (``ctx`` of :class:`GRUFunction`) for ``(x, h0, *params)``;
     ``None`` for whatever does not require grad. Collective over ``model.comm``."""
-    error = saved = None
-    try:
-        saved = ctx.saved_tensors  # autograd's version check and freed-graph check
-    except RuntimeError as exc:
-        error = f"backward of forward #{ctx.forward_id} of this ParallelGRU: {exc}"
-    if error is None and torch.is_grad_enabled():
-        error = ("double backward (create_graph=True) through a ParallelGRU is not supported: "
-                 "its gradients are not differentiable")
+    saved, error = saved_or_error(ctx, ctx.forward_id, "ParallelGRU")
     need_x, need_h0 = ctx.needs_input_grad[3:5]
     need_p = ctx.needs_input_grad[5:]  # the same on every rank (agreed at the forward)
     todo = agree_backward(model.comm, "ParallelGRU", ctx.forward_id, error,

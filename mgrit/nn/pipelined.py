@@ -53,7 +53,7 @@ import torch
 from ..comm import Exchanger
 from ..solver import MGRITResult
 from ..stats import SolverStats
-from .agreement import agree_backward
+from .agreement import agree_backward, saved_or_error
 from .bridge import _WHAT, _version, version_error
 
 __all__ = ["one_level", "pipelined_forward"]
@@ -169,15 +169,9 @@ class _Exit(torch.autograd.Function):
     def _backward(ctx, grad):
         p = ctx.p
         m = p.model
-        error = None
-        try:
-            (y,) = ctx.saved_tensors  # the freed-graph check; triggers a checkpoint recompute
-        except RuntimeError as exc:
-            y, error = None, (f"backward of forward #{p.forward_id} of this "
-                              f"LayerParallelResNet: {exc}")
-        if error is None and torch.is_grad_enabled():
-            error = ("double backward (create_graph=True) through a LayerParallelResNet is not "
-                     "supported: its gradients are not differentiable")
+        # saved_tensors: the freed-graph check; triggers a checkpoint recompute
+        saved, error = saved_or_error(ctx, p.forward_id, "LayerParallelResNet")
+        y = None if saved is None else saved[0]
         if error is None:
             error = p.version_error()
         p.need = agree_backward(m.comm, _WHAT, p.forward_id, error, (p.need_local,))[0]

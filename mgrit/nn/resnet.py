@@ -242,11 +242,6 @@ class LayerParallelResNet(SolverControls, nn.Module):
             return None
         return self._chain.batching_obstacle or "global module hooks are registered"
 
-    @property
-    def _states(self):
-        """The latest forward's states (benchmarks and calibration; no backward reads it)."""
-        return None if self.last_forward is None else self.last_forward.states
-
     # -- autograd bridge ----------------------------------------------------------------
     def forward(self, x0: torch.Tensor | None = None, batch_size: int | None = None) -> torch.Tensor:
         """MGRIT solve of all states.

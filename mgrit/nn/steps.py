@@ -79,12 +79,7 @@ class DenseStep(nn.Module):
         :meth:`stack_extras`); ``x`` is ``(B, batch, w)``. Built-in Tanh/ReLU are applied in
         place on the fresh pre-activation (a batched call runs only on steps without hooks)."""
         z = self._pre_activation(p, x)
-        kind = type(self.act)
-        if kind is nn.Tanh:
-            return z.tanh_()
-        if kind is nn.ReLU:
-            return z.relu_()
-        return self.act(z)
+        return self._activate_fresh(z)
 
     def forward_layer(self, p: dict, j: int, x):
         """Layer ``j`` of a stacked snapshot ``p`` (as :meth:`forward_batched`) on ``x``
@@ -95,12 +90,7 @@ class DenseStep(nn.Module):
             z = torch.addmm(p["linear.bias"][j], x, W[j].t())
         else:
             z = torch.addmm(p["linear.bias"][j], x, WT[j])
-        kind = type(self.act)
-        if kind is nn.Tanh:
-            return z.tanh_()
-        if kind is nn.ReLU:
-            return z.relu_()
-        return self.act(z)
+        return self._activate_fresh(z)
 
     @staticmethod
     def stack_extras(p: dict) -> dict:
@@ -109,6 +99,16 @@ class DenseStep(nn.Module):
         contiguous -- ``bmm`` with them is about 30% faster on CPU than with a transposed
         view. Constants: not used where a weight gradient is taken."""
         return {_WT: p["linear.weight"].transpose(1, 2).contiguous()}
+
+    def _activate_fresh(self, z):
+        """``act(z)`` for a freshly computed pre-activation ``z``: built-in Tanh/ReLU in place
+        (nothing else holds ``z``), any other activation as a module call."""
+        kind = type(self.act)
+        if kind is nn.Tanh:
+            return z.tanh_()
+        if kind is nn.ReLU:
+            return z.relu_()
+        return self.act(z)
 
     @staticmethod
     def _pre_activation(p: dict, x):

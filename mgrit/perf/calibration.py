@@ -39,7 +39,7 @@ from mgrit.nn import LayerParallelResNet
 from mgrit.nn.chains import AdjointChain
 from mgrit.options import MGRITOptions
 
-__all__ = ["calibrate", "chain_costs", "pipelined_costs", "solver_overhead",
+__all__ = ["calibrate", "chain_costs", "pipelined_costs", "timer", "solver_overhead",
            "solver_overhead_fit", "median_costs", "p2_costs", "costs_to_json", "costs_from_json"]
 
 med = statistics.median
@@ -67,7 +67,9 @@ def _slope(times: dict) -> float:
     return perf.fit_step_cost(0.0, list(times), list(times.values())).item
 
 
-def _timer(clock):
+def timer(clock):
+    """``timed(fn)``: the ``clock`` time of one call of ``fn`` (``time.perf_counter`` or
+    ``time.process_time``)."""
     def timed(fn):
         t0 = clock()
         fn()
@@ -110,7 +112,7 @@ def chain_costs(lp, x, m, clock, repeats=3, inner=20, solver_options=None, per_l
         return perf.TrainCosts(fwd=zero, adj=zero, serial_fwd=0.0, serial_bwd=0.0,
                                per_layer=per_layer_opt, nbytes=nbytes, pipe_fwd=pf, pipe_bwd=pb,
                                pipe_fwd_fixed=ff, pipe_bwd_fixed=fb)
-    timed = _timer(clock)
+    timed = timer(clock)
     ch, N, first, n = lp.chain, lp.n_layers, lp.first, len(lp.steps)
     sizes = [B for B in (2, 8, 32, 64) if B < n - 1]
     sizes = sizes if len(sizes) >= 2 else [1, 2]  # a short block: the fit needs two sizes
@@ -223,7 +225,7 @@ def pipelined_costs(lp, x, clock, repeats=3) -> tuple[float, float, float, float
     output gradient; per layer the slope, fixed the intercept (clipped at 0). Messages between
     ranks are the model's (``CommCost``), not in these costs. Leaves ``.grad`` of ``lp``'s
     parameters ``None``."""
-    timed = _timer(clock)
+    timed = timer(clock)
     n, steps = len(lp.steps), list(lp.steps)
     depths = sorted({max(1, n // 4), n})
     g = torch.randn_like(x)
@@ -266,7 +268,7 @@ def calibrate(serial_layers, lp, x, m, per_layer_opt, loss_fn, clock, repeats=3,
     ``clock``: ``time.perf_counter`` or ``time.process_time``. ``one_at_a_time(fn)``: runs
     ``fn`` on each rank in turn while the others wait (the serial slopes are then timed as a
     blocking chain runs: one rank computing at a time); default: call ``fn`` directly."""
-    timed = _timer(clock)
+    timed = timer(clock)
     c = chain_costs(lp, x, m, clock, repeats, inner, solver_options, per_layer_opt)
     fwd_t, train_t = {}, {}
     L = len(serial_layers)

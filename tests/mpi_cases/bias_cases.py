@@ -16,6 +16,7 @@ from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid
 from mgrit.training import Trainer
 from mgrit.training.bias import BiasMonitor, measure_bias
+from tests.mpi_cases.interrupt import Stop, StopAt
 
 WIDTH, D_IN, CLASSES, N_LAYERS = 3, 3, 3, 7
 
@@ -172,19 +173,6 @@ def check_no_trace(log_dir):
     return h1["loss"]
 
 
-class _Stop(Exception):
-    pass
-
-
-class _StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, record):
-        if record.step + 1 == self.step:
-            raise _Stop()
-
-
 def check_resume(ckpt_dir):
     """Interrupted at step 5 (checkpoint every 2 steps) and resumed with a fresh network and
     monitor: the history, the monitor's state and the solver options equal the uninterrupted
@@ -208,8 +196,8 @@ def check_resume(ckpt_dir):
     want = tr.fit((x, y), **fit)
     want_state, want_opts = mon.state_dict(), (tr.net.resnet.fwd_opts, tr.net.resnet.bwd_opts)
     try:
-        trainer([_StopAt(5)])[0].fit((x, y), **fit)
-    except _Stop:
+        trainer([StopAt(5)])[0].fit((x, y), **fit)
+    except Stop:
         pass
     tr, mon = trainer()
     got = tr.fit((x, y), **fit, resume=path)

@@ -25,6 +25,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid
 from mgrit.training import Trainer
+from tests.mpi_cases.interrupt import Stop, StopAt
 
 
 def _layers(seed=0, depth=3, width=10, d_in=12):
@@ -205,19 +206,6 @@ def check_layerwise_loop_equals_plain_loop(method, n=45, B=8, loss="cross_entrop
     return len(got)
 
 
-class _Stop(Exception):
-    pass
-
-
-class _StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, rec):
-        if trainer.steps_done == self.step:
-            raise _Stop()
-
-
 def check_layerwise_resume(method, stop=11, every=4, n=45, B=8):
     """A layer-wise run interrupted after step ``stop`` (inside an epoch and, sequential, inside
     a stage) and resumed from its last checkpoint (step ``every * (stop // every)``) ends with
@@ -236,11 +224,11 @@ def check_layerwise_resume(method, stop=11, every=4, n=45, B=8):
         m = build_method(method, layers, 4, (12,), grid=grid, lr=0.05, seed=4, **kw)
         epochs = len(m.plan) if method == "sequential" else 3
         t = Trainer(m, None, grid, checkpoint=path, checkpoint_every=every, eval_batch_size=7,
-                    callbacks=[] if stop_at is None else [_StopAt(stop_at)])
+                    callbacks=[] if stop_at is None else [StopAt(stop_at)])
         try:
             return t.fit((x, y), epochs=epochs, batch_size=B, seed=4, test=(tx, ty),
                          resume=resume).history
-        except _Stop:
+        except Stop:
             return None
 
     full = run()

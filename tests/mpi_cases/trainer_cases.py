@@ -19,6 +19,7 @@ from mgrit.parallel import ProcessGrid
 import mgrit.training.checkpoint as ck
 from mgrit.training import Trainer
 from mgrit.training.checkpoint import CheckpointError
+from tests.mpi_cases.interrupt import Stop, StopAt
 
 WIDTH, D_IN, CLASSES = 4, 3, 3
 
@@ -89,19 +90,6 @@ def check_dp_small_last_batch(kind):
 
 
 # -- resume after an interruption --------------------------------------------------------------
-class _Stop(Exception):
-    pass
-
-
-class _StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, record):
-        if record.step + 1 == self.step:
-            raise _Stop()
-
-
 def check_resume_after_interruption(kind, ckpt_dir):
     """Interrupted at step 5 (checkpoint every 2 steps, 3 epochs of 3 batches) and resumed
     with a fresh network and optimizer: the history equals the uninterrupted fit bit for bit
@@ -125,8 +113,8 @@ def check_resume_after_interruption(kind, ckpt_dir):
     fit = dict(epochs=3, batch_size=16, seed=4, test=(tx, ty))
     want = trainer().fit((x, y), **fit)
     try:
-        trainer([_StopAt(5)]).fit((x, y), **fit)
-    except _Stop:
+        trainer([StopAt(5)]).fit((x, y), **fit)
+    except Stop:
         pass
     resumed = trainer()
     got = resumed.fit((x, y), **fit, resume=path)
