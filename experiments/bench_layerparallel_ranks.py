@@ -117,7 +117,8 @@ def main():
     for fn in [*train.values(), *fwd.values()]:
         fn()  # warm-up
 
-    def sync_time(fn):
+    def sync_time(fn):  # steady state (bench_layerparallel.steady): an untimed call first
+        fn()
         comm.Barrier()
         t0 = time.perf_counter()
         fn()

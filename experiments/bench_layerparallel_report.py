@@ -77,7 +77,7 @@ def predictions(r1, r2, N, relax):
     add("lean forward", 1, f["lean"], [N * ln.layer_fwd(b) for *_, ln in p1])
     for mm in r1["ms"]:
         add(f"MGRIT forward m={mm}", 1, f[f"mgrit m={mm}"],
-            [perf.training_times(N, 1, tc, _opts(mm, 2, relax), bo, 2, 1, free)["mgrit"]["forward"]
+            [perf.resnet_times(N, 1, tc, _opts(mm, 2, relax), bo, 2, 1, free, grad=False)[0]
              for tc, *_ in p1])
     add("nn.Sequential train", 1, t["seq"], [st.serial_step(mod, b) for _, _, mod, _ in p1])
     add("lean train", 1, t["lean"], [st.serial_step(ln, b) for *_, ln in p1])
@@ -91,7 +91,7 @@ def predictions(r1, r2, N, relax):
     add(f"MGRIT train m={m}", 2, T["mgrit"],
         [perf.training_times(N, 2, tc, fo, bo, 2, 1, cc)["mgrit"]["train"] for tc, *_ in p2])
     add(f"MGRIT forward m={m}", 2, T["mgrit_fwd"],
-        [perf.training_times(N, 2, tc, fo, bo, 2, 1, cc)["mgrit"]["forward"] for tc, *_ in p2])
+        [perf.resnet_times(N, 2, tc, fo, bo, 2, 1, cc, grad=False)[0] for tc, *_ in p2])
     add("1-level exact train", 2, T["exact1"],
         [perf.training_times(N, 2, e, ONE, ONE, 1, 1, cc)["mgrit"]["train"] for _, e, *_ in p2])
     add("lean train, rank 0 alone", 2, T["lean_r0"], [st.serial_step(ln, b) for *_, ln in p2])
@@ -120,7 +120,8 @@ def report(r1, r2, Ns, meta) -> str:
          f"SGD lr 1e-3; MGRIT 2 levels, relax {meta['relax']}, forward 2 / backward 1 cycles "
          f"(tol 0, warm start in training); 1-level exact path = forward and adjoint solves with "
          f"max_levels = 1; medians of {meta['reps']} interleaved repeats; ratios = medians of "
-         f"per-repeat ratios",
+         f"per-repeat ratios; each timed run in steady state (an untimed run of the same "
+         f"configuration just before it, as the previous step of a training loop)",
          f"- clock: 1-process parts {'CPU time of the process' if meta['clock'] == 'cpu' else 'wall clock'}; "
          f"2-rank part wall clock, max over ranks, barrier before and after each run", ""]
     L += ["## a. Forward, 1 process (no autograd)", "",
@@ -197,7 +198,10 @@ def model_part(r1, r2, Ns, meta) -> list:
          "Each repeat's prediction comes from that repeat's calibration (P = 1: the 1-process "
          "part; P = 2: both ranks at once, the slower rank's costs), never from the measured "
          "runs: MGRIT's steps, adjoint, parameter-gradient sweep and solver bookkeeping "
-         "(`calibration.chain_costs`), nn.Sequential per-layer slopes (depth 64 -> 256) at batch "
+         "(`calibration.chain_costs`), plus what those pieces miss of the real MGRIT path "
+         "(autograd bridge, checks, allocations: `calibration.path_residual`, the real path on "
+         "one process at n/4 and n/2 of the rank's n layers, never at n; forward rows: the "
+         "evaluation forward's own residual), nn.Sequential per-layer slopes (depth 64 -> 256) at batch "
          "32 and 64, the lean loop per layer at batch 1..64 (`netcal`); messages from the 2-rank "
          "ping-pong. **P > 2 is not validated: this machine has 2 cores.**", ""]
     cases, p1s, p2s = [], {}, {}

@@ -17,7 +17,8 @@ T = 1, a Linear(width, 10) classifier, cross-entropy.
 option for real in one 2-rank MPI job (interleaved repeats; wall clock, max over ranks): serial
 (rank 0 alone), data parallelism (GradientBuckets), GPipe (the planner's M, and M = 1, the
 blocking chain), MGRIT (the planner's configuration and iteration counts, warm start as in
-training), and checks that the recommendation is the measured fastest within noise (its
+training; each timed step right after an untimed one of the same option, as in a training
+loop), and checks that the recommendation is the measured fastest within noise (its
 per-repeat time ratio to the measured fastest has a median <= 1.05 or an interquartile range
 that includes 1). ``--quick``: smaller networks, 2 repeats, 2 probes (a smoke test of about a
 minute on 2 idle cores). Full mode: about 10 minutes on 2 idle cores.
@@ -156,6 +157,7 @@ def run_options(world, rank, s, repeats):
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            fn()  # steady state: an untimed step of the same option just before
             world.Barrier()
             t0 = time.perf_counter()
             fn()

@@ -1,8 +1,9 @@
-"""The one command (``experiments/regenerate.py --quick``) on the Günther and layer-wise studies
-and the GPU scripts' CPU dry runs (``bench_gpu.py --dry-run``, ``gpu_check.py --dry-run``: the
-same code paths with device = cpu, so they cannot rot on machines without a GPU); checks of
-their outputs against independent references (parameter counts by hand, the Peaks objective at
-the shared initialization) and the ``--help`` flags."""
+"""The one command (``experiments/regenerate.py --quick``) on the Günther and layer-wise studies,
+the GPU scripts' CPU dry runs (``bench_gpu.py --dry-run``, ``gpu_check.py --dry-run``: the
+same code paths with device = cpu, so they cannot rot on machines without a GPU) and the main
+job's acceptance record (``compare_mainjob.py``); checks of their outputs against independent
+references (parameter counts by hand, the Peaks objective at the shared initialization, the
+runs' own ``summary.json``) and the ``--help`` flags."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from tests.regenerate_quick import logs, run_quick
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
-ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check"]
+ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial"]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,54 @@ def test_gpu_scripts_dry_run(quick):
     assert "PASS" in (quick[0] / "logs" / "gpu_check.log").read_text()
 
 
+def test_mainjob_record_is_generated_from_the_runs(quick):
+    """compare_mainjob.py: the serial job on 1 rank and the MGRIT job on 2 ranks at the job's
+    defaults; summary.md / headline.json state the numbers of the runs' own files."""
+    import regenerate as rg
+    from mgrit.training.jobconfig import JobConfig
+    d = quick[0] / "mnist_mgrit_vs_serial"
+    for f in ("table.md", "summary.md", "headline.json"):
+        assert (d / f).is_file() and (d / f).stat().st_size > 0, f"missing {f}"
+    runs = d / "runs"
+    ser, mg = (json.loads((runs / f"resnet-{m}" / "summary.json").read_text())
+               for m in ("serial", "mgrit"))
+    assert (ser["method"], ser["world_size"], mg["method"], mg["world_size"]) == \
+        ("serial", 1, "mgrit", 2)
+    defaults = JobConfig()
+    for k in ("dataset", "model", "step", "width", "activation", "levels", "cfactor",
+              "fwd_iters", "bwd_iters", "relax", "tol", "optimizer", "lr", "momentum",
+              "batch_size", "seed", "dtype"):  # the job at its defaults (smoke: size only)
+        assert mg["config"][k] == ser["config"][k] == getattr(defaults, k), k
+    summary = (d / "summary.md").read_text()
+    sa, ma = ser["final"]["test_acc"], mg["final"]["test_acc"]
+    assert f"test accuracy {ma * 100:.2f}% (MGRIT) vs {sa * 100:.2f}% (serial)" in summary
+    met = (sa - ma) * 100 <= 1
+    assert f"**Result: {'met' if met else 'NOT met'}**" in summary
+    exact = json.loads((runs / "resnet-mgrit" / "exact_eval.json").read_text())
+    assert f"exact (serial) forward: {exact['test_acc'] * 100:.2f}% test accuracy" in summary
+    assert not (runs / "resnet-mgrit" / "checkpoint.pt").exists()
+    same = ser["final"]["initial_test_acc"] == mg["final"]["initial_test_acc"]
+    assert f"(MGRIT, its inexact forward): {'equal' if same else 'not equal'}." in summary
+    assert f"parameters {mg['config']['parameters']};" in summary
+    ts, tm = ser["times"]["mean_epoch_s"], mg["times"]["mean_epoch_s"]
+    assert f"serial {ts:.2f} s on 1 rank, MGRIT {tm:.2f} s on 2 ranks ({tm / ts:.2f}x" in summary
+    head = json.loads((d / "headline.json").read_text())
+    assert head["commits"] == sorted({ser["git_commit"], mg["git_commit"]})
+    acc, timing = head["rows"]
+    assert acc["kind"] == "measured" and timing["kind"] == "timing"
+    assert acc["ours"].startswith(f"serial {sa * 100:.2f}% vs MGRIT {ma * 100:.2f}%")
+    load = json.loads((runs / "resnet-serial" / "load.json").read_text())["before"]
+    assert timing["ours"] == (f"serial {ts:.2f} s, MGRIT {tm:.2f} s: {tm / ts:.2f}x of serial "
+                              f"(load {' '.join(f'{x:.2f}' for x in load)})")
+    assert "[mnist_mgrit_vs_serial](results/mnist_mgrit_vs_serial/summary.md)" in \
+        rg.readme_block(quick[0])
+    e = {x.name: x for x in rg.REGISTRY}["mnist_mgrit_vs_serial"]
+    assert rg.command(e, "full", "all", Path("/x"))[:2] == [sys.executable,
+                                                            str(ROOT / e.script)]
+
+
 def test_help_flags():
-    for script in ("reproduce_guenther.py", "reproduce_layerwise.py"):
+    for script in ("reproduce_guenther.py", "reproduce_layerwise.py", "compare_mainjob.py"):
         p = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--help"],
                            capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -246,3 +246,51 @@ def test_layerparallel_calibration_helpers():
     assert cal.median_costs([lo, hi], max) == hi
     assert cal.median_costs([lo, hi, hi]) == hi
     assert cal.costs_from_json(cal.costs_to_json(lo)) == lo
+
+
+def test_path_residual_reproduces_the_real_path_at_its_depths():
+    """path_residual() with a clock that counts torch calls: the residual of the real path
+    (its forward and backward counted here independently at the calibration depths n/4 and n/2
+    of the rank's layers, minus the pieces' model) gives the documented slope and intercept;
+    where neither was clamped the model with the residual reproduces the counts exactly. The
+    depth n itself is never run by the calibration."""
+    torch.manual_seed(0)
+    N, m = 64, 4
+    fo = MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=2)
+    bo = MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=1)
+    lp = LayerParallelResNet.build(lambda k: DenseStep(4, "tanh"), N, (4,), forward=fo,
+                                   backward=bo)
+    x = torch.randn(16, 4)
+    lp(x).square().mean().backward()
+    clk = OpClock()
+    with clk:
+        base = cal.chain_costs(lp, x, m, clk, repeats=2, inner=2)  # without the residual
+        c = cal.path_residual(lp, x, base, bo, clk, repeats=2)
+    assert (base.path_fwd, base.fixed_fwd, base.path_bwd, base.fixed_bwd) == (0, 0, 0, 0)
+    free, g = perf.CommCost(0.0, 1e30), torch.randn(16, 4)
+    count, pieces, full = {}, {}, {}
+    for d in (N // 4, N // 2):
+        net = LayerParallelResNet(list(lp.steps)[:d], d, (4,), T=d * lp.h, forward=fo,
+                                  backward=bo, warm_start=False)
+        net(x).backward(g)
+        box = []
+        count[d] = (clk.count(lambda: box.append(net(x))), clk.count(lambda: box[0].backward(g)))
+        pieces[d] = perf.resnet_times(d, 1, base, fo, bo, 2, 1, free)
+        full[d] = perf.resnet_times(d, 1, c, fo, bo, 2, 1, free)
+    a, b = N // 4, N // 2
+    for i, (path, fixed, per_layer) in enumerate((("path_fwd", "fixed_fwd", base.refresh),
+                                                  ("path_bwd", "fixed_bwd", base.pgrad_item))):
+        r = {d: count[d][i] - pieces[d][i] for d in (a, b)}
+        raw = (r[b] - r[a]) / (b - a)
+        slope = max(raw, -per_layer)
+        icpt = r[b] - slope * b
+        assert getattr(c, path) == pytest.approx(slope) and \
+            getattr(c, fixed) == pytest.approx(max(icpt, 0.0)), (path, r, getattr(c, path))
+        if slope == raw and icpt >= 0:
+            assert [full[d][i] for d in (a, b)] == pytest.approx([count[d][i] for d in (a, b)])
+    # the residual adds to the pieces' prediction; at depth N it extrapolates
+    f0, b0 = perf.resnet_times(N, 1, base, fo, bo, 2, 1, free)
+    f1, b1 = perf.resnet_times(N, 1, c, fo, bo, 2, 1, free)
+    assert f1 == pytest.approx(max(f0 + N * c.path_fwd + c.fixed_fwd, 0.0))
+    assert b1 == pytest.approx(max(b0 + N * c.path_bwd + c.fixed_bwd, 0.0))
+    assert cal.costs_from_json(cal.costs_to_json(c)) == c

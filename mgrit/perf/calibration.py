@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import operator
 import statistics
 
@@ -39,7 +40,7 @@ from mgrit.nn import LayerParallelResNet
 from mgrit.nn.chains import AdjointChain
 from mgrit.options import MGRITOptions
 
-__all__ = ["calibrate", "chain_costs", "pipelined_costs", "timer", "solver_overhead",
+__all__ = ["calibrate", "chain_costs", "path_residual", "pipelined_costs", "timer", "solver_overhead",
            "solver_overhead_fit", "median_costs", "p2_costs", "costs_to_json", "costs_from_json"]
 
 med = statistics.median
@@ -177,10 +178,74 @@ def chain_costs(lp, x, m, clock, repeats=3, inner=20, solver_options=None, per_l
                                        lambda fn: timed(fn), repeats, x.dtype)
         fwd, adj_cost = (perf.StepCost(c.single + o.single, c.call + o.call, c.item + o.item)
                          for c in (fwd, adj_cost))
-    return perf.TrainCosts(fwd=fwd, adj=adj_cost, serial_fwd=0.0, serial_bwd=0.0,
-                           pgrad_item=(pg + br + (setup if multi else 0.0)) / n,
-                           per_layer=per_layer_opt, refresh=refresh, nbytes=nbytes,
-                           solve_fixed=fixed)
+    costs = perf.TrainCosts(fwd=fwd, adj=adj_cost, serial_fwd=0.0, serial_bwd=0.0,
+                            pgrad_item=(pg + br + (setup if multi else 0.0)) / n,
+                            per_layer=per_layer_opt, refresh=refresh, nbytes=nbytes,
+                            solve_fixed=fixed)
+    return path_residual(lp, x, costs, bwd, clock, repeats) if solver_options is not None else costs
+
+
+def path_residual(lp, x, costs: perf.TrainCosts, backward: MGRITOptions, clock,
+                  repeats: int = 3) -> perf.TrainCosts:
+    """``costs`` with the residual terms ``path_fwd``/``path_bwd`` (per layer) and
+    ``fixed_fwd``/``fixed_bwd`` (per forward / backward), and ``path_eval``/``fixed_eval`` of
+    an evaluation forward (``torch.no_grad``: no autograd node, a snapshot without autograd;
+    the residual of the replay alone, slope unclamped): what the pieces timed on their own miss
+    of the real path -- the autograd bridge and the engine, input checks, allocations, the
+    caches a whole solve runs through. The real path (a ``LayerParallelResNet`` on
+    ``COMM_SELF`` sharing ``lp``'s step modules, ``lp``'s forward options and ``backward``, a
+    fixed number of cycles) is timed in steady state (an untimed step first) at ``n // 4`` and
+    ``n // 2`` of this rank's ``n`` layers, at least twice the coarsening factor (one depth when
+    they coincide: intercept only), never at ``n`` itself: the prediction at ``n`` and at other
+    rank counts remains a prediction. Residual = time - :func:`mgrit.perf.resnet_times` of the
+    same sub-network (1 rank, free messages); slope and intercept of the residual over the two
+    depths, the slope kept >= -(the per-layer term it corrects) and the intercept >= 0.
+    Leaves ``.grad`` of ``lp``'s parameters ``None``."""
+    timed = timer(clock)
+    n, steps, params = len(lp.steps), list(lp.steps), list(lp.steps.parameters())
+    fo = dataclasses.replace(lp.fwd_opts, tol=0.0, rtol=0.0)
+    bo = dataclasses.replace(backward, tol=0.0, rtol=0.0)
+    m = fo.cfactor if isinstance(fo.cfactor, int) else fo.cfactor[0]
+    depths = sorted({d for d in (max(n // 4, 2 * m), max(n // 2, 2 * m)) if d <= n})
+    if not depths:
+        return costs
+    g, free = torch.randn_like(x), perf.CommCost(0.0, 1e30)
+    rf, rb, re = {}, {}, {}
+    for d in depths:
+        net = LayerParallelResNet(steps[:d], d, lp.state_shape, T=d * lp.h, forward=fo,
+                                  backward=bo, warm_start=False, adjoint=lp.adjoint)
+        net(x).backward(g)  # warm-up
+        fs, bs, es = [], [], []
+        for _ in range(repeats):
+            for q in params:
+                q.grad = None
+            net(x).backward(g)  # steady state: the previous step ran just before
+            for q in params:
+                q.grad = None
+            box = []
+            fs.append(timed(lambda: box.append(net(x))))
+            bs.append(timed(lambda: box[0].backward(g)))
+            with torch.no_grad():
+                net(x)
+                es.append(timed(lambda: net(x)))
+        pf, pb = perf.resnet_times(d, 1, costs, fo, bo, fo.max_iter, bo.max_iter, free)
+        pe, _ = perf.resnet_times(d, 1, costs, fo, bo, fo.max_iter, bo.max_iter, free, grad=False)
+        rf[d], rb[d], re[d] = med(fs) - pf, med(bs) - pb, med(es) - pe
+    for q in params:
+        q.grad = None
+
+    def fit(r, per_layer):
+        if len(r) == 1:
+            (d, v), = r.items()
+            return 0.0, max(v, 0.0)
+        (a, ra), (b, rb_) = sorted(r.items())
+        s = max((rb_ - ra) / (b - a), -per_layer)
+        return s, max(rb_ - s * b, 0.0)
+    sf, cf = fit(rf, costs.refresh)
+    sb, cb = fit(rb, costs.pgrad_item)
+    se, ce = fit(re, math.inf)
+    return dataclasses.replace(costs, path_fwd=sf, path_bwd=sb, fixed_fwd=cf, fixed_bwd=cb,
+                               path_eval=se, fixed_eval=ce)
 
 
 def _bridge_backward(lp, x, names, timed, repeats) -> float:

@@ -347,7 +347,12 @@ class TrainCosts:
     * ``pipe_fwd``/``pipe_bwd``: per layer, forward (recorded by autograd) and backward of the
       one-level exact path (:mod:`mgrit.nn.pipelined`: no solver, the rank's layers in
       autograd), ``pipe_fwd_fixed``/``pipe_bwd_fixed`` its fixed costs per forward / backward
-      on one rank (0 when that path was not calibrated).
+      on one rank (0 when that path was not calibrated);
+    * ``path_fwd``/``path_bwd`` (per layer, may be < 0) and ``fixed_fwd``/``fixed_bwd`` (per
+      forward / backward): what the pieces above miss of the real MGRIT path, from the real
+      path at smaller depths (:func:`mgrit.perf.calibration.path_residual`; 0 when not
+      calibrated); ``path_eval``/``fixed_eval`` the same for an evaluation forward
+      (``torch.no_grad``), relative to the replay alone (its snapshot included).
     """
     fwd: StepCost
     adj: StepCost
@@ -362,6 +367,12 @@ class TrainCosts:
     pipe_bwd: float = 0.0
     pipe_fwd_fixed: float = 0.0
     pipe_bwd_fixed: float = 0.0
+    path_fwd: float = 0.0
+    path_bwd: float = 0.0
+    fixed_fwd: float = 0.0
+    fixed_bwd: float = 0.0
+    path_eval: float = 0.0
+    fixed_eval: float = 0.0
 
 
 def n_levels(N: int, P: int, options: MGRITOptions) -> int:
@@ -378,22 +389,28 @@ def one_level_exact(N: int, P: int, fwd: MGRITOptions, bwd: MGRITOptions) -> boo
 
 
 def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
-                 K_f: int, K_b: int, comm: CommCost = CommCost()) -> tuple[float, float]:
+                 K_f: int, K_b: int, comm: CommCost = CommCost(),
+                 grad: bool = True) -> tuple[float, float]:
     """Critical-path seconds ``(forward, backward)`` of the layer-parallel ResNet in one training
     step (optimizer excluded). MGRIT: the replay of ``K_f`` forward / ``K_b`` adjoint cycles
     plus the per-layer snapshot / gradient sweep and bridge, the solver's fixed costs and the
     backward's agreement. Both solves one level: the exact path is a pipelined chain of
     autograd layers, ``N pipe + (P - 1) beta`` per direction plus its fixed costs and one
-    agreement each (the forward's input check, the backward's)."""
+    agreement each (the forward's input check, the backward's). ``grad=False``: an evaluation
+    forward (``torch.no_grad``; backward 0): the replay, the solver's fixed cost and the
+    ``*_eval`` residual terms."""
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
     agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # one small agreement
     if one_level_exact(N, P, fwd, bwd):
         return (layerwise_time(N, P, costs.pipe_fwd, beta) + costs.pipe_fwd_fixed + agree,
                 layerwise_time(N, P, costs.pipe_bwd, beta) + costs.pipe_bwd_fixed + agree)
     f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes).critical_path
+    if not grad:
+        return max(f + nl * costs.path_eval + costs.solve_fixed + costs.fixed_eval, 0.0), 0.0
     b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes).critical_path
-    return (f + nl * costs.refresh + costs.solve_fixed,
-            b + nl * costs.pgrad_item + costs.solve_fixed + agree)
+    f += nl * (costs.refresh + costs.path_fwd) + costs.solve_fixed + costs.fixed_fwd
+    b += nl * (costs.pgrad_item + costs.path_bwd) + costs.solve_fixed + costs.fixed_bwd + agree
+    return max(f, 0.0), max(b, 0.0)
 
 
 def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
