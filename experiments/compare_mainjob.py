@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -66,10 +65,7 @@ RUN_KEYS = {"out", "no_progress", "checkpoint_every", "torch_threads", "resume"}
 def run(method: str, base: Path, smoke: bool = False) -> None:
     """One job into ``base/runs/resnet-<method>``, with the load average around it."""
     out = base / "runs" / f"{MODEL}-{method}"
-    before = os.getloadavg()
     records.run_job(records.command(COMMON, MGRIT, method, out, smoke, SMOKE), out)
-    (out / "load.json").write_text(json.dumps(
-        {"before": before, "after": os.getloadavg(), "cores": os.cpu_count()}, indent=1))
 
 
 def _load_text(v) -> str:
@@ -84,8 +80,6 @@ def collect(base: Path) -> tuple[list, dict]:
         run = base / "runs" / f"{MODEL}-{r['method']}"
         summaries[r["method"]] = s = records.load(run)
         r["initial_acc"] = s["final"].get("initial_test_acc")
-        load = run / "load.json"
-        r["load"] = json.loads(load.read_text()) if load.is_file() else None
     return rows, summaries
 
 

@@ -80,12 +80,13 @@ def network(layers, width, batch_size):
     return planner.Network.from_sequential(seq, (width,), torch.nn.functional.cross_entropy), seq
 
 
-def recommend(layers, width, batch_size, P, comm, grad_tol, repeats=3, max_probes=6):
+def recommend(layers, width, batch_size, P, comm, grad_tol, repeats=3, max_probes=6,
+              margin=0.10):
     torch.set_num_threads(1)
     net, _ = network(layers, width, batch_size)
     x, y = batch(batch_size)
     return planner.recommend(net, x, P, y, comm=comm, grad_tol=grad_tol, repeats=repeats,
-                             max_probes=max_probes)
+                             max_probes=max_probes, margin=margin)
 
 
 # -- the 2-rank validation job ------------------------------------------------------------------
@@ -186,7 +187,7 @@ def predicted(rec, kind, M=None):
     return min(o, key=lambda o: o.time).time if o else None
 
 
-def validate(quick: bool, grad_tol: float, out: Path) -> str:
+def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> str:
     nets = QUICK if quick else NETWORKS
     reps = 2 if quick else 5
     t0 = time.time()
@@ -194,7 +195,7 @@ def validate(quick: bool, grad_tol: float, out: Path) -> str:
     recs, spec = {}, {}
     for name, (L, W, B) in nets.items():
         rec = recommend(L, W, B, 2, comm, grad_tol, repeats=1 if quick else 3,
-                        max_probes=2 if quick else 6)
+                        max_probes=2 if quick else 6, margin=margin)
         recs[name] = rec
         mg = next((o for o in rec.options if o.kind == "MGRIT"), None)
         gp = next(o for o in rec.options if o.kind == "GPipe")
@@ -212,7 +213,8 @@ def validate(quick: bool, grad_tol: float, out: Path) -> str:
          f"- planner: calibrated in 1 process (dedicated-core costs), message cost from this "
          f"machine's ping-pong ({comm.latency * 1e6:.1f} us, {comm.bandwidth / 1e9:.2f} GB/s), "
          f"MGRIT convergence probed on a real mnist5k batch (cold start), gradient error target "
-         f"{grad_tol:g}",
+         f"{grad_tol:g}; recommendation: the simplest option predicted within {margin:.0%} of "
+         f"the fastest (`--margin`)",
          "- within noise: the recommended option's per-repeat time ratio to the measured fastest "
          "has a median <= 1.05, or its interquartile range includes 1", ""]
     verdicts = []
@@ -258,6 +260,10 @@ def main(argv=None):
                     help="relative parameter-gradient error MGRIT may leave")
     ap.add_argument("--latency", type=float, default=10e-6, help="message latency [s]")
     ap.add_argument("--bandwidth", type=float, default=10e9, help="bandwidth [bytes/s]")
+    ap.add_argument("--margin", type=float, default=0.10,
+                    help="recommend the simplest option (serial < data parallel < GPipe < MGRIT) "
+                         "predicted within this fraction of the fastest (about the cost model's "
+                         "error; 0: the fastest prediction)")
     ap.add_argument("--validate", action="store_true", help="P = 2 validation (runs mpiexec)")
     ap.add_argument("--quick", action="store_true", help="with --validate: small networks")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -265,8 +271,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a.worker, a.out)
+    if not 0 <= a.margin <= 1:
+        ap.error(f"--margin={a.margin} is not allowed: use a fraction in [0, 1]")
     if a.validate:
-        print(validate(a.quick, a.grad_tol, Path(a.out)))
+        print(validate(a.quick, a.grad_tol, Path(a.out), a.margin))
         return
     for name in ("layers", "width", "batch", "ranks"):
         if getattr(a, name) < 1:
@@ -274,7 +282,8 @@ def main(argv=None):
     if not (a.latency >= 0 and a.bandwidth > 0 and a.grad_tol > 0):
         ap.error("use --latency >= 0, --bandwidth > 0, --grad-tol > 0")
     L, W, B = NETWORKS[a.network] if a.network != "custom" else (a.layers, a.width, a.batch)
-    rec = recommend(L, W, B, a.ranks, perf.CommCost(a.latency, a.bandwidth), a.grad_tol)
+    rec = recommend(L, W, B, a.ranks, perf.CommCost(a.latency, a.bandwidth), a.grad_tol,
+                    margin=a.margin)
     print(f"Network: opening 784 -> {W}, {L} dense tanh steps of width {W}, classifier; batch {B}\n")
     print(rec.report())
 

@@ -56,11 +56,15 @@ def command(common: list, mgrit: list, method: str, out: Path, smoke: bool = Fal
 
 
 def run_job(cmd: list, out: Path) -> None:
-    """Run ``cmd`` (from the repository root, one torch thread per rank); a run that left a
-    checkpoint gets :func:`exact_evaluation`, then the checkpoint is deleted."""
+    """Run ``cmd`` (from the repository root, one torch thread per rank), with the load average
+    before and after it in ``out/load.json``; a run that left a checkpoint gets
+    :func:`exact_evaluation`, then the checkpoint is deleted."""
     print("+", " ".join(shlex.quote(c) for c in cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    before = os.getloadavg()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=3 * 3600)
+    (out / "load.json").write_text(json.dumps(
+        {"before": before, "after": os.getloadavg(), "cores": os.cpu_count()}, indent=1))
     if (out / "checkpoint.pt").is_file():
         exact_evaluation(out)
         (out / "checkpoint.pt").unlink()
@@ -136,7 +140,9 @@ def row(model: str, method: str, s: dict, run: Path, study: str) -> dict:
          "fwd_res": e["fwd_residual_mean"][-1] if e.get("fwd_residual_mean") else None,
          "parameters": s["config"].get("parameters"), "train_loss": f["loss"],
          "last3_acc": sum(e["test_acc"][-3:]) / len(e["test_acc"][-3:]),
-         "test_accs": e["test_acc"], "exact": s.get("exact_eval")}
+         "test_accs": e["test_acc"], "exact": s.get("exact_eval"),
+         "load": json.loads((run / "load.json").read_text()) if (run / "load.json").is_file()
+         else None}
     if model in LANGUAGE_MODELS:
         r["bpc"] = f["test_loss"] / math.log(2)
     return r
@@ -156,6 +162,14 @@ def rows(base: Path, runs: dict, study: str) -> list:
 
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+def load_text(r: dict) -> str:
+    """``r``'s load average before / after its job (1-minute values), or why it is missing."""
+    ld = r.get("load")
+    if not ld:
+        return "load not recorded"
+    return f"load average {ld['before'][0]:.2f} before / {ld['after'][0]:.2f} after, {ld['cores']} cores"
 
 
 def exact_text(r: dict) -> str:

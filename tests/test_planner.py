@@ -225,3 +225,33 @@ def test_netcal_costs_are_the_counts_they_stand_for():
     assert lc.layer_fwd(4) == clk.count(lambda: lean.forward(xl)) / 12
     rt = st.netcosts_from_json(st.netcosts_to_json(lc))
     assert rt == lc and st.reduce_netcosts([lc, rt], max) == lc
+
+
+def test_simplest_option_within_the_margin():
+    """The recommendation is the simplest kind predicted within the margin of the fastest:
+    a more complex option must win by more than the margin (the model's error)."""
+    O = planner.Option
+    opts = [O("data parallel", 1, 2, 0.97), O("serial", 1, 1, 1.0), O("MGRIT", 2, 1, 0.5),
+            O("GPipe", 2, 1, 0.95)]
+    assert planner.simplest(opts, 0.0).kind == "MGRIT"      # 2x faster: it wins at any margin
+    assert planner.simplest(opts, 0.10).kind == "MGRIT"
+    near = [o for o in opts if o.kind != "MGRIT"]
+    assert planner.simplest(near, 0.0).kind == "GPipe"      # the fastest prediction
+    assert planner.simplest(near, 0.10).kind == "serial"    # 5% and 3% gains: within 10%
+    assert planner.simplest(near, 0.04).kind == "data parallel"  # 3% is within 4%, 5% is not
+    assert planner.simplest(near, 0.02).kind == "GPipe"
+
+
+def test_recommend_reports_the_margin_choice():
+    net = _tiny_network(N=16)
+    x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(8) % 2
+    c = _costs(lambda b: 1e-6, N=16)  # call-bound, no MGRIT costs: DP / GPipe ~ serial
+    rec = planner.recommend(net, x, 4, y, comm=FREE, costs=c, margin=1.0)
+    assert rec.best.kind == "serial"
+    if min(o.time for o in rec.options) < rec.best.time:
+        assert "the simpler option is recommended" in rec.report()
+    assert planner.recommend(net, x, 4, y, comm=FREE, costs=c, margin=0.0).best.time == \
+        min(o.time for o in rec.options)
+    with pytest.raises(ValueError, match="margin"):
+        planner.recommend(net, x, 4, y, comm=FREE, costs=c, margin=-0.1)

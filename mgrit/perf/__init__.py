@@ -1,7 +1,8 @@
 """Performance model of layer-parallel training: calibrated costs, the MGRIT replay, the
 baselines it is compared with, and the planner.
 
-Public names here (from :mod:`mgrit.perf.model` and :mod:`mgrit.perf.configs`):
+Public names here (from :mod:`mgrit.perf.model`, :mod:`mgrit.perf.steptime` and
+:mod:`mgrit.perf.configs`):
 :class:`StepCost`, :class:`CommCost`, :func:`calibrate_step`, :func:`pingpong`,
 :func:`simulate`, :class:`TrainCosts`, :func:`training_times`, :func:`plan`,
 :func:`scaling_table`. Submodules: :mod:`~mgrit.perf.strategies` (predicted times of serial,
@@ -17,6 +18,8 @@ those passed in.
 """
 from .model import *  # noqa: F401,F403
 from .model import __all__ as _model_all
+from .steptime import *  # noqa: F401,F403
+from .steptime import __all__ as _step_all
 from .configs import Plan, plan, scaling_table  # noqa: F401
 
-__all__ = [*_model_all, "Plan", "plan", "scaling_table"]
+__all__ = [*_model_all, *_step_all, "Plan", "plan", "scaling_table"]

@@ -33,7 +33,7 @@ import statistics
 
 import torch
 
-from . import model as perf
+from mgrit import perf
 from .overhead import solver_overhead, solver_overhead_fit
 from mgrit.grid import Hierarchy
 from mgrit.nn import LayerParallelResNet

@@ -1,5 +1,5 @@
 """MGRIT's coarsening factor and level count for one ``(N, P)`` at fixed iteration counts, by
-predicted training-step time (:func:`mgrit.perf.model.training_times`). The full question --
+predicted training-step time (:func:`mgrit.perf.steptime.training_times`). The full question --
 MGRIT or data parallelism or pipelining, at which iteration counts for the user's network --
 is :func:`mgrit.perf.planner.recommend`'s."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..options import MGRITOptions
-from .model import CommCost, TrainCosts, _posint, training_times
+from .model import CommCost, _posint
+from .steptime import TrainCosts, training_times
 
 __all__ = ["Plan", "plan", "scaling_table"]
 

@@ -12,10 +12,8 @@ guess is F-relaxed and tested first) and a critical path; the coarsest sweep is 
 serial ``N tau``; layer-wise blocking chain ``N tau + (P - 1) beta``; pipelined (GPipe), ``M``
 micro-batches, ``(M + P - 1) ceil(N/P) tau(b/M) + (P - 1) beta`` with ``tau(b/M)`` the cost at
 the micro-batch size (not ``tau(b) / M``: narrow layers are call-bound). Every strategy on a
-grid of workers: :mod:`mgrit.perf.strategies`; MGRIT's m and L: :func:`mgrit.perf.configs.plan`.
-A layer-parallel ResNet's step (:func:`resnet_times`) is the replay when it solves with MGRIT;
-with one level in both directions it runs the exact path instead, a pipelined chain of autograd
-layers (:mod:`mgrit.nn.pipelined`): ``N tau_pipe + (P - 1) beta`` per direction.
+grid of workers: :mod:`mgrit.perf.strategies`; MGRIT's m and L: :func:`mgrit.perf.configs.plan`;
+a layer-parallel ResNet's training step from calibrated costs: :mod:`mgrit.perf.steptime`.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ from ..grid import Hierarchy, Partition
 from ..options import MGRITOptions
 
 __all__ = ["StepCost", "CommCost", "fit_step_cost", "calibrate_step", "pingpong", "simulate",
-           "Simulation", "layerwise_time", "pipelined_time", "TrainCosts", "training_times",
-           "resnet_times", "n_levels", "one_level_exact"]
+           "Simulation", "layerwise_time", "pipelined_time"]
 
 
 @dataclass(frozen=True)
@@ -323,111 +320,3 @@ def pipelined_time(N: int, P: int, M: int, tau_micro: float, beta_micro: float) 
     (non-blocking sends: only the fill pays messages). Unequal stages, head and tail:
     :func:`mgrit.perf.strategies.gpipe_step`."""
     return (M + P - 1) * math.ceil(N / P) * tau_micro + (P - 1) * beta_micro
-
-
-@dataclass(frozen=True)
-class TrainCosts:
-    """Calibrated costs of one network/batch and one configuration of the layer-parallel ResNet
-    (:func:`mgrit.perf.calibration.chain_costs` times each through the code path that
-    configuration runs). Seconds.
-
-    * ``fwd``/``adj``: MGRIT step costs of the forward and adjoint chains (single steps and
-      batched calls as the solver makes them; with the solver's bookkeeping per step);
-    * ``serial_fwd``/``serial_bwd``: one layer of plain autograd forward (recording) and
-      backward (``nn.Sequential``);
-    * ``pgrad_item``: per layer, once per backward of an MGRIT solve: the parameter-gradient
-      sweep, the adjoint's linearization (closed-form steps) and the autograd bridge's backward
-      (the engine handing each layer's parameters their gradients);
-    * ``per_layer``: the optimizer update per layer;
-    * ``refresh``: per layer, once per MGRIT forward: the stacked-parameter snapshot (with
-      autograd where the bridge's inputs are the stacked parameters) and the bridge's forward;
-    * ``nbytes``: one state message;
-    * ``solve_fixed``: the solver's fixed cost per solve (set-up, validation, state allocation
-      not proportional to the work; :func:`mgrit.perf.calibration.solver_overhead_fit`);
-    * ``pipe_fwd``/``pipe_bwd``: per layer, forward (recorded by autograd) and backward of the
-      one-level exact path (:mod:`mgrit.nn.pipelined`: no solver, the rank's layers in
-      autograd), ``pipe_fwd_fixed``/``pipe_bwd_fixed`` its fixed costs per forward / backward
-      on one rank (0 when that path was not calibrated);
-    * ``path_fwd``/``path_bwd`` (per layer, may be < 0) and ``fixed_fwd``/``fixed_bwd`` (per
-      forward / backward): what the pieces above miss of the real MGRIT path, from the real
-      path at smaller depths (:func:`mgrit.perf.calibration.path_residual`; 0 when not
-      calibrated); ``path_eval``/``fixed_eval`` the same for an evaluation forward
-      (``torch.no_grad``), relative to the replay alone (its snapshot included).
-    """
-    fwd: StepCost
-    adj: StepCost
-    serial_fwd: float
-    serial_bwd: float
-    pgrad_item: float = 0.0
-    per_layer: float = 0.0
-    nbytes: int = 0
-    refresh: float = 0.0
-    solve_fixed: float = 0.0
-    pipe_fwd: float = 0.0
-    pipe_bwd: float = 0.0
-    pipe_fwd_fixed: float = 0.0
-    pipe_bwd_fixed: float = 0.0
-    path_fwd: float = 0.0
-    path_bwd: float = 0.0
-    fixed_fwd: float = 0.0
-    fixed_bwd: float = 0.0
-    path_eval: float = 0.0
-    fixed_eval: float = 0.0
-
-
-def n_levels(N: int, P: int, options: MGRITOptions) -> int:
-    """Levels of MGRIT's hierarchy for ``N`` intervals on ``P`` ranks (as the solver builds it;
-    the same on every rank)."""
-    o = options
-    return Hierarchy(Partition.even(N, P), 0, o.cfactor, o.max_levels, o.min_coarse).n_levels
-
-
-def one_level_exact(N: int, P: int, fwd: MGRITOptions, bwd: MGRITOptions) -> bool:
-    """Whether a training step runs the one-level exact path (:mod:`mgrit.nn.pipelined`, both
-    solves one level): a pipelined chain of autograd layers instead of MGRIT solves."""
-    return n_levels(N, P, fwd) == 1 and n_levels(N, P, bwd) == 1
-
-
-def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
-                 K_f: int, K_b: int, comm: CommCost = CommCost(),
-                 grad: bool = True) -> tuple[float, float]:
-    """Critical-path seconds ``(forward, backward)`` of the layer-parallel ResNet in one training
-    step (optimizer excluded). MGRIT: the replay of ``K_f`` forward / ``K_b`` adjoint cycles
-    plus the per-layer snapshot / gradient sweep and bridge, the solver's fixed costs and the
-    backward's agreement. Both solves one level: the exact path is a pipelined chain of
-    autograd layers, ``N pipe + (P - 1) beta`` per direction plus its fixed costs and one
-    agreement each (the forward's input check, the backward's). ``grad=False``: an evaluation
-    forward (``torch.no_grad``; backward 0): the replay, the solver's fixed cost and the
-    ``*_eval`` residual terms."""
-    beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
-    agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # one small agreement
-    if one_level_exact(N, P, fwd, bwd):
-        return (layerwise_time(N, P, costs.pipe_fwd, beta) + costs.pipe_fwd_fixed + agree,
-                layerwise_time(N, P, costs.pipe_bwd, beta) + costs.pipe_bwd_fixed + agree)
-    f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes).critical_path
-    if not grad:
-        return max(f + nl * costs.path_eval + costs.solve_fixed + costs.fixed_eval, 0.0), 0.0
-    b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes).critical_path
-    f += nl * (costs.refresh + costs.path_fwd) + costs.solve_fixed + costs.fixed_fwd
-    b += nl * (costs.pgrad_item + costs.path_bwd) + costs.solve_fixed + costs.fixed_bwd + agree
-    return max(f, 0.0), max(b, 0.0)
-
-
-def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
-                   K_f: int, K_b: int, comm: CommCost = CommCost()) -> dict:
-    """Predicted seconds of ``forward``, ``backward`` and ``train`` (step incl. optimizer) of
-    ``serial`` (autograd, one rank), ``layerwise`` (blocking chain over ``P`` ranks) and
-    ``mgrit`` (the layer-parallel ResNet with these options: ``K_f`` forward / ``K_b`` adjoint
-    cycles, or the one-level exact path when both have one level; :func:`resnet_times`).
-    Pipelining, data parallelism and hybrids with batch-size-dependent costs:
-    :mod:`mgrit.perf.strategies`."""
-    beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
-    sf, sb = costs.serial_fwd, costs.serial_bwd
-    out = {"serial": {"forward": N * sf, "backward": N * sb},
-           "layerwise": {"forward": layerwise_time(N, P, sf, beta),
-                         "backward": layerwise_time(N, P, sb, beta)}}
-    f, b = resnet_times(N, P, costs, fwd, bwd, K_f, K_b, comm)
-    out["mgrit"] = {"forward": f, "backward": b}
-    for k, v in out.items():
-        v["train"] = v["forward"] + v["backward"] + (N if k == "serial" else nl) * costs.per_layer
-    return out

@@ -27,7 +27,8 @@ from ..nn.steps import ResidualStep
 from ..options import MGRITOptions
 from . import calibration
 from .lean import LeanResNet
-from .model import StepCost, TrainCosts, calibrate_step
+from .model import StepCost, calibrate_step
+from .steptime import TrainCosts
 from .strategies import Curve, NetCosts
 
 __all__ = ["lean_costs", "module_costs", "mgrit_costs", "with_mgrit", "batch_sizes", "kernel_cost"]

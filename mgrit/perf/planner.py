@@ -18,7 +18,10 @@ per training step?" from
    ``P_L x P_D`` grid -- serial, data parallelism, GPipe (best ``M``; ``M = 1`` is the blocking
    chain), MGRIT (best probed configuration), and their hybrids with data parallelism.
 
-The answer is the fastest option, "use data parallelism" when that is it, with every option's
+The answer is the simplest option among those predicted within ``margin`` (default 10%, about
+the model's validated error, ``experiments/results/bench_layerparallel.md`` part d) of the
+fastest -- serial, then data parallelism, GPipe, MGRIT: a more complex option must win by more
+than the model can resolve -- "use data parallelism" when that is it, with every option's
 predicted time and the reasons (:meth:`Recommendation.report`). CLI: ``experiments/plan.py``.
 """
 from __future__ import annotations
@@ -38,7 +41,10 @@ from .strategies import (NetCosts, best_gpipe, data_parallel_step, grids, mgrit_
                          serial_step)
 
 __all__ = ["Network", "MGRITConfig", "Probe", "Option", "Recommendation", "probe",
-           "mgrit_configs", "choose", "recommend"]
+           "mgrit_configs", "choose", "simplest", "recommend", "SIMPLICITY"]
+
+#: kinds from the simplest (fewest workers, least communication, exact) to the most complex
+SIMPLICITY = {"serial": 0, "data parallel": 1, "GPipe": 2, "MGRIT": 3}
 
 
 @dataclass
@@ -61,7 +67,8 @@ class Option:
 
 @dataclass
 class Recommendation:
-    """The fastest option (``best``), every option considered, the probes, the inputs."""
+    """The recommended option (``best``: :func:`simplest` within ``margin``), every option
+    considered, the probes, the inputs."""
     best: Option
     options: list
     probes: list
@@ -70,6 +77,7 @@ class Recommendation:
     grad_tol: float
     costs: NetCosts | None = None
     comm: CommCost | None = None
+    margin: float = 0.0
 
     def report(self) -> str:
         """Markdown: the recommendation, why, and every option's predicted step time."""
@@ -105,7 +113,12 @@ def _reasons(rec: Recommendation) -> list:
             best[o.kind] = o
     b, out = rec.best, []
     others = sorted((o for k, o in best.items() if k != b.kind), key=lambda o: o.time)
-    if others:
+    fastest = min(rec.options, key=lambda o: o.time)
+    if fastest.time < b.time:
+        out.append(f"The fastest prediction, {fastest.label} ({fastest.time * 1e3:.2f} ms), is "
+                   f"within {rec.margin:.0%} of {b.kind} (the planner's margin, about the "
+                   f"model's error): the simpler option is recommended.")
+    elif others:
         out.append(f"{b.kind} is {others[0].time / b.time:.2f}x faster than the next kind, "
                    f"{others[0].label} ({others[0].time * 1e3:.2f} ms).")
     c = rec.costs
@@ -127,6 +140,14 @@ def _pairs(p: Probe, grad_tol: float) -> list:
     """``(K_f, K_b)`` with ``fwd_err[K_f - 1] + bwd_err[K_b - 1] <= grad_tol``."""
     return [(kf, kb) for kf in range(1, len(p.fwd_err) + 1) for kb in range(1, len(p.bwd_err) + 1)
             if p.fwd_err[kf - 1] + p.bwd_err[kb - 1] <= grad_tol]
+
+
+def simplest(options: Sequence[Option], margin: float) -> Option:
+    """The simplest kind (:data:`SIMPLICITY`) among ``options`` predicted within ``margin``
+    (a fraction, >= 0) of the fastest; ties by predicted time. ``margin=0``: the fastest."""
+    fastest = min(o.time for o in options)
+    near = [o for o in options if o.time <= (1 + margin) * fastest]
+    return min(near, key=lambda o: (SIMPLICITY[o.kind], o.time))
 
 
 def choose(costs: NetCosts, batch: int, P: int, comm: CommCost, probes: Sequence[Probe] = (),
@@ -173,7 +194,8 @@ def choose(costs: NetCosts, batch: int, P: int, comm: CommCost, probes: Sequence
 def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: CommCost = CommCost(),
               costs: NetCosts | None = None, grad_tol: float = 0.05, max_iters: int = 4,
               configs: Sequence[MGRITConfig] | None = None, repeats: int = 3,
-              clock: Callable[[], float] = time.perf_counter, max_probes: int = 6) -> Recommendation:
+              clock: Callable[[], float] = time.perf_counter, max_probes: int = 6,
+              margin: float = 0.10) -> Recommendation:
     """Recommend how to train ``network`` with batches like ``x`` (the sample batch; its size is
     the global batch) on ``P`` workers.
 
@@ -191,9 +213,13 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
         repeats, clock: of the calibration's timings.
         max_probes: probe at most this many configurations, cheapest predicted first (probing
             stops early once a configuration's one-cycle prediction cannot win).
+        margin: recommend the simplest option predicted within this fraction of the fastest
+            (default 0.10: about the cost model's validated error on this machine; 0: always
+            the fastest prediction). See :func:`simplest`.
 
     Raises:
-        ValueError: ``P < 1``, an empty batch, ``grad_tol <= 0``, ``max_iters < 1``.
+        ValueError: ``P < 1``, an empty batch, ``grad_tol <= 0``, ``max_iters < 1``,
+            ``margin`` not in [0, 1].
     """
     if isinstance(P, bool) or not isinstance(P, int) or P < 1:
         raise ValueError(f"P={P!r} is not allowed: use an int >= 1")
@@ -201,6 +227,8 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
         raise ValueError("the sample batch x is empty")
     if not grad_tol > 0 or max_iters < 1:
         raise ValueError(f"grad_tol={grad_tol!r} / max_iters={max_iters!r}: use > 0 / >= 1")
+    if not (isinstance(margin, (int, float)) and 0 <= margin <= 1):
+        raise ValueError(f"margin={margin!r} is not allowed: use a fraction in [0, 1]")
     b, N = x.shape[0], network.n_layers
     cfgs = list(configs) if configs is not None else mgrit_configs(N)
     if costs is None:
@@ -233,7 +261,8 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
                     break
             probes.append(p)
     options, probes = choose(costs, b, P, comm, probes, grad_tol)
-    return Recommendation(options[0], options, probes, P, b, grad_tol, costs, comm)
+    return Recommendation(simplest(options, margin), options, probes, P, b, grad_tol, costs,
+                          comm, margin)
 
 
 def calibrate(network: Network, x: torch.Tensor, target, P: int, configs: Sequence[MGRITConfig],

@@ -16,7 +16,7 @@ replicas, each replica a shard ``ceil(b / P_D)`` of the batch):
   are non-blocking: a stage does not wait for its own sends); plus the Allreduce of a stage's
   gradients over the replicas;
 * MGRIT (``P_L >= 2``): head + forward solve + tail forward/backward + adjoint solve +
-  parameter-gradient sweep + head backward (:func:`mgrit.perf.model.resnet_times`: the
+  parameter-gradient sweep + head backward (:func:`mgrit.perf.steptime.resnet_times`: the
   replay's critical paths with the step costs at the shard size; the one-level exact path's
   pipelined chain when both solves have one level), plus the replicas' Allreduce.
 
@@ -33,7 +33,8 @@ from typing import Callable, Sequence
 
 from ..grid import Partition
 from ..options import MGRITOptions
-from .model import CommCost, TrainCosts, resnet_times
+from .model import CommCost
+from .steptime import TrainCosts, resnet_times
 
 __all__ = ["Curve", "NetCosts", "allreduce_time", "flow_shop", "serial_step", "data_parallel_step",
            "gpipe_step", "best_gpipe", "mgrit_step", "grids", "netcosts_to_json",

@@ -15,7 +15,8 @@ import statistics
 from typing import Sequence
 
 from ..options import MGRITOptions
-from .model import CommCost, training_times
+from .model import CommCost
+from .steptime import training_times
 from .strategies import best_gpipe, data_parallel_step, gpipe_step, serial_step
 
 __all__ = ["error_table", "kirby_table", "KIRBY"]
