@@ -2,6 +2,7 @@
 over a list of registered scripts, and the tails of its logs for failure messages."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,3 +28,15 @@ def run_quick(tmp_path_factory, only):
 
 def logs(out) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in (out / "logs").glob("*.log"))
+
+
+def assert_every_script_ok(quick, only) -> dict:
+    """The quick run succeeded, ran exactly ``only``, each ``ok``, and its MANIFEST names the
+    commit; returns the manifest's records by name."""
+    out, p = quick
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs(out)
+    recs = {r["name"]: r for r in json.loads((out / "manifest.json").read_text())["records"]}
+    assert sorted(recs) == sorted(only)
+    assert all(r["status"] == "ok" for r in recs.values()), recs
+    assert "- commit:" in (out / "MANIFEST.md").read_text()
+    return recs

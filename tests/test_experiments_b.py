@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.regenerate_quick import logs, run_quick
+from tests.regenerate_quick import assert_every_script_ok, run_quick
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -28,10 +28,7 @@ def quick(tmp_path_factory):
 
 
 def test_regenerate_quick_runs_every_script(quick):
-    out, p = quick
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + logs(out)
-    recs = {r["name"]: r for r in json.loads((out / "manifest.json").read_text())["records"]}
-    assert all(recs[n]["status"] == "ok" for n in ONLY), recs
+    assert_every_script_ok(quick, ONLY)
 
 
 def test_guenther_seeds_and_summary(quick):
