@@ -164,7 +164,7 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def load_text(r: dict) -> str:
+def load_average_text(r: dict) -> str:
     """``r``'s load average before / after its job (1-minute values), or why it is missing."""
     ld = r.get("load")
     if not ld:

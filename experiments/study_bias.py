@@ -161,7 +161,7 @@ def write(a, results, meta, out_dir: Path):
                      f"{r['wall_s']:.0f}"])
     table = reporting.markdown_table(
         ["run", "train loss (exact eval)", "vs serial", "train acc", "test loss", "test acc",
-         "last-epoch mean loss", "bias checks", "actions", "wall s (under load)"], rows)
+         "last-epoch mean loss", "bias checks", "actions", "wall s (load: header)"], rows)
     epochs = reporting.markdown_table(
         ["epoch"] + list(RUNS), [[e] + [results[k]["history"]["loss"][e - 1] for k in RUNS]
                                  for e in results["serial"]["history"]["epoch"]])
@@ -217,8 +217,8 @@ def write(a, results, meta, out_dir: Path):
         f"{a.window} checks in a row (streak). Actions in epoch(s) "
         f"{sorted({e['epoch'] + 1 for e in acted})} of {a.epochs}:", "",
         head, *[fmt(e) for e in around], "",
-        "Wall times are under load (2 shared cores, several jobs at once): not a timing "
-        "result; a check costs about one serial forward + backward of the batch."]
+        "Wall times: a timing result only where the load average in the header stayed below "
+        "the core count; a check costs about one serial forward + backward of the batch."]
     reporting.write_table(out_dir / "summary.md", "Gradient-bias monitor: summary", meta,
                           "\n".join(lines))
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "args": vars(a),

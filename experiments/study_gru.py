@@ -126,7 +126,7 @@ def sweep(a, out: Path, argv) -> None:
         commands.append(s["_command"])
     meta = report.run_metadata(["experiments/study_gru.py", *(argv or sys.argv[1:])])
     header = ["seed", "MGRIT settings (inexact, 1 time rank)", "ranks", "final test acc",
-              "vs serial [points]", "mean epoch wall [s] (under load)",
+              "vs serial [points]", "mean epoch wall [s] (load: header)",
               "mean final fwd residual (first / last epoch)", "epochs", "final train loss"]
     body = [report.markdown_table(header, rows), "", "Job commands:", ""]
     body += [f"- `{c}`" for c in commands]
@@ -164,7 +164,7 @@ def main(argv=None):
     report.plot_lines(out / "accuracy.png", curves, "epoch", "test accuracy",
                       title="row-by-row MNIST subset, GRU: MGRIT in time vs serial")
     header = ["seed", "method", "ranks", "final test acc", "vs serial [points]",
-              "mean epoch wall [s] (under load)", "mean final fwd residual (first / last epoch)",
+              "mean epoch wall [s] (load: header)", "mean final fwd residual (first / last epoch)",
               "epochs"]
     body = [report.markdown_table(header, rows), "", "Job commands (each with `--out "
             "experiments/results/gru/runs/<name>`):", ""]

@@ -166,8 +166,8 @@ def _summary(rows: list, meta: dict) -> str:
             verdict += (f"; the MGRIT run's final weights with the exact forward: "
                         f"{records.exact_text(m)}")
         out.append(f"- **{model}** ({s['epochs']} epochs): {verdict}. Time per epoch "
-                   f"{s['epoch_s']:.1f} s serial ({records.load_text(s)}), {m['epoch_s']:.1f} s "
-                   f"MGRIT on 2 ranks ({records.load_text(m)}).")
+                   f"{s['epoch_s']:.1f} s serial ({records.load_average_text(s)}), {m['epoch_s']:.1f} s "
+                   f"MGRIT on 2 ranks ({records.load_average_text(m)}).")
         for method in EXTRA.get(model, {}):
             x = by.get((model, method))
             if x is not None:

@@ -232,3 +232,29 @@ def test_records_report_verdicts(tmp_path):
     assert "| vit | mgrit | 2 | 2 | 123 | 0.3100 | 88.50% | 88.50% |" in table
     head = json.loads((tmp_path / "headline.json").read_text())
     assert head["commits"] == ["abc1234"] and len(head["rows"]) == 3
+
+
+def test_records_gpt_job_and_exact_evaluation(tmp_path):
+    """transformer_records.py --smoke, the GPT's layer-parallel run only: the 2-rank job runs,
+    its final checkpoint is evaluated with the exact (serial) forward on the text corpus and
+    then deleted, and the job's load average is kept. The exact evaluation's loss is checked
+    against the run's own validation loss: the smoke run's 3 forward cycles on 4 layers are
+    converged (residual ~1e-7), so the two agree to 1e-4."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if not (Path(sys.executable).parent / "mpiexec").exists():
+        pytest.skip("no mpiexec next to the interpreter")
+    p = subprocess.run([sys.executable, "experiments/transformer_records.py", "--smoke",
+                        "--only", "gpt", "--method", "mgrit", "--out", str(tmp_path)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    run = tmp_path / "transformers" / "runs" / "gpt-mgrit"
+    exact = json.loads((run / "exact_eval.json").read_text())
+    final = json.loads((run / "summary.json").read_text())["final"]
+    assert not (run / "checkpoint.pt").exists()
+    assert math.isfinite(exact["test_loss"])
+    assert exact["test_loss"] == pytest.approx(final["test_loss"], rel=1e-4)
+    load = json.loads((run / "load.json").read_text())
+    assert len(load["before"]) == 3 and load["cores"] >= 1
