@@ -206,6 +206,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.full and a.smoke:
         p.error("--full and --smoke exclude each other")
+    if a.report_only:
+        missing = [str(r) for r in (Path(a.out or ROOT / "experiments" / "results") / STUDY
+                                    / "runs" / f"{MODEL}-{m}" / "summary.json"
+                                    for m in METHODS) if not r.is_file()]
+        if missing:
+            p.error(f"--report-only needs both runs; missing {', '.join(missing)} "
+                    f"(run without --report-only first)")
     base = results_dir(STUDY, a.out)
     if not a.report_only:
         for method in METHODS:

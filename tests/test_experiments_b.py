@@ -141,3 +141,14 @@ def test_help_flags():
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert p.returncode == 0 and "--full" in p.stdout and "--smoke" in p.stdout
         assert "--report-only" in p.stdout
+
+
+def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "compare_mainjob.py"),
+                        "--report-only", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert "--report-only needs both runs; missing" in last and "resnet-serial" in last \
+        and "resnet-mgrit" in last, last
+    assert not (tmp_path / "mnist_mgrit_vs_serial").exists()

@@ -255,3 +255,17 @@ def test_recommend_reports_the_margin_choice():
         min(o.time for o in rec.options)
     with pytest.raises(ValueError, match="margin"):
         planner.recommend(net, x, 4, y, comm=FREE, costs=c, margin=-0.1)
+
+
+def test_bad_inputs_of_simplest_and_resnet_times():
+    with pytest.raises(ValueError, match="options is empty"):
+        planner.simplest([], 0.1)
+    o = MGRITOptions(max_levels=2, cfactor=4)
+    with pytest.raises(ValueError, match="costs must be TrainCosts, got NoneType"):
+        perf.resnet_times(16, 1, None, o, o, 1, 1)
+    c = perf.TrainCosts(fwd=perf.StepCost(1, 1, 1), adj=perf.StepCost(1, 1, 1), serial_fwd=1,
+                        serial_bwd=1)
+    with pytest.raises(ValueError, match="bwd must be MGRITOptions"):
+        perf.resnet_times(16, 1, c, o, None, 1, 1)
+    with pytest.raises(ValueError, match="N=0"):
+        perf.resnet_times(0, 1, c, o, o, 1, 1)

@@ -145,6 +145,8 @@ def _pairs(p: Probe, grad_tol: float) -> list:
 def simplest(options: Sequence[Option], margin: float) -> Option:
     """The simplest kind (:data:`SIMPLICITY`) among ``options`` predicted within ``margin``
     (a fraction, >= 0) of the fastest; ties by predicted time. ``margin=0``: the fastest."""
+    if not options:
+        raise ValueError("options is empty: simplest() needs at least one Option")
     fastest = min(o.time for o in options)
     near = [o for o in options if o.time <= (1 + margin) * fastest]
     return min(near, key=lambda o: (SIMPLICITY[o.kind], o.time))

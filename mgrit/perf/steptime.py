@@ -92,7 +92,13 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
     autograd layers, ``N pipe + (P - 1) beta`` per direction plus its fixed costs and one
     agreement each (the forward's input check, the backward's). ``grad=False``: an evaluation
     forward (``torch.no_grad``; backward 0): the replay, the solver's fixed cost and the
-    ``*_eval`` residual terms."""
+    ``*_eval`` residual terms. ValueError: ``costs`` not :class:`TrainCosts`, ``fwd``/``bwd``
+    not MGRITOptions, ``N < P``."""
+    if not isinstance(costs, TrainCosts):
+        raise ValueError(f"costs must be TrainCosts, got {type(costs).__name__}")
+    for name, o in (("fwd", fwd), ("bwd", bwd)):
+        if not isinstance(o, MGRITOptions):
+            raise ValueError(f"{name} must be MGRITOptions, got {type(o).__name__}")
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
     agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # one small agreement
     if one_level_exact(N, P, fwd, bwd):
