@@ -68,10 +68,6 @@ def run(method: str, base: Path, smoke: bool = False) -> None:
     records.run_job(records.command(COMMON, MGRIT, method, out, smoke, SMOKE), out)
 
 
-def _load_text(v) -> str:
-    return " ".join(f"{x:.2f}" for x in v)
-
-
 def collect(base: Path) -> tuple[list, dict]:
     """The table rows of the recorded runs (with ``load`` and ``initial_acc``) and their
     summaries by method."""
@@ -91,7 +87,7 @@ CELLS = {"initial test accuracy": lambda r: f"{records.fmt(r['initial_acc'], '.2
          "time / epoch (s)": lambda r: records.fmt(r["epoch_s"], ".2f"),
          "train time (s)": lambda r: records.fmt(r["train_s"], ".1f"),
          "load average before / after the job": lambda r: (
-             f"{_load_text(r['load']['before'])} / {_load_text(r['load']['after'])}"
+             f"{records.loadavg(r['load']['before'])} / {records.loadavg(r['load']['after'])}"
              if r["load"] else "-")}
 
 
@@ -129,7 +125,7 @@ def headline(rows: list) -> dict:
         if m.get("exact"):
             ours += f"; MGRIT's final weights with the exact forward {records.exact_text(m)}"
         out.append({"claim": CLAIM, "ours": ours, "kind": "measured"})
-        load = f" (load {_load_text(s['load']['before'])})" if s["load"] else ""
+        load = f" (load {records.loadavg(s['load']['before'])})" if s["load"] else ""
         out.append({"claim": "time per epoch, MGRIT on 2 ranks vs serial on 1 rank (this "
                              "machine)",
                     "ours": f"serial {s['epoch_s']:.2f} s, MGRIT {m['epoch_s']:.2f} s: "
@@ -182,8 +178,8 @@ def summary(rows: list, summaries: dict, meta: dict) -> str:
     load = ""
     if s["load"] and m["load"]:
         load = (f" Load average (1, 5, 15 min) before the serial job "
-                f"{_load_text(s['load']['before'])}, after the MGRIT job "
-                f"{_load_text(m['load']['after'])}, on {s['load']['cores']} cores: a timing only "
+                f"{records.loadavg(s['load']['before'])}, after the MGRIT job "
+                f"{records.loadavg(m['load']['after'])}, on {s['load']['cores']} cores: a timing only "
                 f"where the load before the jobs is well below the core count.")
     out += [f"Time per epoch (training wall time of the slowest rank, evaluation excluded): "
             f"serial {s['epoch_s']:.2f} s on 1 rank, MGRIT {m['epoch_s']:.2f} s on 2 ranks "

@@ -164,6 +164,11 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def loadavg(v) -> str:
+    """A load-average triple (1, 5, 15 minutes) as text."""
+    return " ".join(f"{x:.2f}" for x in v)
+
+
 def load_average_text(r: dict) -> str:
     """``r``'s load average before / after its job (1-minute values), or why it is missing."""
     ld = r.get("load")

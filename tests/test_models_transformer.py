@@ -14,6 +14,8 @@ import ast
 import importlib
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ from mgrit.training.lm import bits_per_char, greedy_sample, lm_loss, token_accur
 from mgrit.training.models import MODELS, build_model, mgrit_options
 from mgrit.training.transformer_parts import PatchEmbedding, TokenEmbedding
 from tests.mpi_harness import MPIBatch
+from tests.regenerate_quick import MPIEXEC, ROOT
 
 C = "tests.mpi_cases.transformer_model_cases"
 BATCH = MPIBatch(timeout=500)
@@ -240,15 +243,11 @@ def test_records_gpt_job_and_exact_evaluation(tmp_path):
     then deleted, and the job's load average is kept. The exact evaluation's loss is checked
     against the run's own validation loss: the smoke run's 3 forward cycles on 4 layers are
     converged (residual ~1e-7), so the two agree to 1e-4."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    if not (Path(sys.executable).parent / "mpiexec").exists():
-        pytest.skip("no mpiexec next to the interpreter")
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable}")
     p = subprocess.run([sys.executable, "experiments/transformer_records.py", "--smoke",
                         "--only", "gpt", "--method", "mgrit", "--out", str(tmp_path)],
-                       cwd=root, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     run = tmp_path / "transformers" / "runs" / "gpt-mgrit"
     exact = json.loads((run / "exact_eval.json").read_text())

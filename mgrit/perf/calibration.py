@@ -68,6 +68,11 @@ def _slope(times: dict) -> float:
     return perf.fit_step_cost(0.0, list(times), list(times.values())).item
 
 
+def _clear_grads(params) -> None:
+    for q in params:
+        q.grad = None
+
+
 def timer(clock):
     """``timed(fn)``: the ``clock`` time of one call of ``fn`` (``time.perf_counter`` or
     ``time.process_time``)."""
@@ -217,11 +222,9 @@ def path_residual(lp, x, costs: perf.TrainCosts, backward: MGRITOptions, clock,
         net(x).backward(g)  # warm-up
         fs, bs, es = [], [], []
         for _ in range(repeats):
-            for q in params:
-                q.grad = None
+            _clear_grads(params)
             net(x).backward(g)  # steady state: the previous step ran just before
-            for q in params:
-                q.grad = None
+            _clear_grads(params)
             box = []
             fs.append(timed(lambda: box.append(net(x))))
             bs.append(timed(lambda: box[0].backward(g)))
@@ -231,8 +234,7 @@ def path_residual(lp, x, costs: perf.TrainCosts, backward: MGRITOptions, clock,
         pf, pb = perf.resnet_times(d, 1, costs, fo, bo, fo.max_iter, bo.max_iter, free)
         pe, _ = perf.resnet_times(d, 1, costs, fo, bo, fo.max_iter, bo.max_iter, free, grad=False)
         rf[d], rb[d], re[d] = med(fs) - pf, med(bs) - pb, med(es) - pe
-    for q in params:
-        q.grad = None
+    _clear_grads(params)
 
     def fit(r, per_layer):
         if len(r) == 1:
@@ -258,8 +260,7 @@ def _bridge_backward(lp, x, names, timed, repeats) -> float:
     params = list(lp.steps.parameters())
 
     def build():
-        for q in params:
-            q.grad = None
+        _clear_grads(params)
         if names:
             snap = ch.refresh(grad=True)
             ins = [snap[k] for k in names]
@@ -276,8 +277,7 @@ def _bridge_backward(lp, x, names, timed, repeats) -> float:
     for _ in range(repeats):
         out = build()
         ts.append(timed(lambda: run(out)))
-    for q in params:
-        q.grad = None
+    _clear_grads(params)
     return med(ts)
 
 
@@ -303,14 +303,12 @@ def pipelined_costs(lp, x, clock, repeats=3) -> tuple[float, float, float, float
         out.backward(g)  # warm-up
         fs, bs = [], []
         for _ in range(repeats):
-            for q in params:
-                q.grad = None
+            _clear_grads(params)
             box = []
             fs.append(timed(lambda: box.append(net(x))))
             bs.append(timed(lambda: box[0].backward(g)))
         tf[d], tb[d] = med(fs), med(bs)
-    for q in params:
-        q.grad = None
+    _clear_grads(params)
     if len(depths) == 1:
         d = depths[0]
         return tf[d] / d, tb[d] / d, 0.0, 0.0
