@@ -6,7 +6,14 @@ What a backward needs from its forward belongs to that forward's node, never to 
 the forward states and the stacked parameters the solve used are saved tensors (freed after the
 backward unless ``retain_graph``, version-checked like every saved tensor, offloaded or
 recomputed under saved-tensor hooks and ``torch.utils.checkpoint``); the forward's number and
-the stacked names and the layer-to-parameter map are attributes of ``ctx``. The module keeps
+the stacked names and the layer-to-parameter map are attributes of ``ctx``.
+
+Contract of the stacked-parameter snapshot (:mod:`mgrit.nn.contract`): the snapshot is stacked
+at the forward from the layers' *current* parameters and buffers (the fingerprint checked at the
+start of the forward rebuilds the stacked lists after a replacement), and the backward checks
+the fingerprint again: a step module whose parameters, buffers or submodules were replaced
+since the forward (its epoch changed) is a RuntimeError on every rank, never an adjoint of
+other modules; an in-place change of the forward's tensors is autograd's version error. The module keeps
 only the warm start (an initial guess; no gradient depends on it).
 
 Order across ranks: each backward is a collective adjoint solve, so every rank must run the
@@ -26,10 +33,22 @@ import torch
 from .agreement import agree_backward, saved_or_error
 from .chains import AdjointChain
 
-__all__ = ["MGRITFunction", "node_backward", "version_error"]
+__all__ = ["MGRITFunction", "node_backward", "version_error", "changed_error"]
 
 _WHAT = "LayerParallelResNet"  # names the node in the agreement's messages and tag
 _version = operator.attrgetter("_version")
+
+
+def changed_error(model, epoch: int) -> str | None:
+    """The message when ``model``'s step modules changed (the fingerprint of
+    :mod:`mgrit.nn.contract`, checked here too) since the forward that ran with ``epoch``."""
+    model._check_contract()
+    if model._fingerprint.epoch == epoch:
+        return None
+    return ("the step modules of this rank changed between a forward and its backward (a "
+            "parameter, buffer or submodule replaced or added, or .to() of a step): the adjoint "
+            "solve needs the modules the forward used; backpropagate before replacing "
+            "parameters (e.g. load_state_dict(..., assign=True)) or converting steps")
 
 
 def version_error(tensors, versions, names) -> str | None:
@@ -81,8 +100,10 @@ class MGRITFunction(torch.autograd.Function):
         ctx.model, ctx.forward_id, ctx.stack_names = model, model._forward_count, tuple(stacked)
         ctx.param_index = model._param_index  # layer -> unique parameter, as of this forward
         ctx.stacked_inputs = snapshot is not None
+        ctx.epoch = model._fingerprint.epoch  # the fast paths this forward ran with
         if ctx.stacked_inputs:
-            ctx.versions = tuple(map(_version, model._checked))
+            ctx.checked = model._checked
+            ctx.versions = tuple(map(_version, ctx.checked))
             ctx.save_for_backward(states, *stacked.values())
         else:
             ctx.save_for_backward(states, *stacked.values(), *params)
@@ -98,8 +119,10 @@ def node_backward(model, ctx, grad) -> tuple:
     """Gradients of one forward (``ctx``) of ``model`` for ``(x0, *params)`` (the node's
     parameter inputs: unique parameters, or stacked ones)."""
     saved, error = saved_or_error(ctx, ctx.forward_id, "LayerParallelResNet")
+    if error is None:
+        error = changed_error(model, ctx.epoch)
     if error is None and ctx.stacked_inputs:
-        error = version_error(model._checked, ctx.versions, model._checked_names)
+        error = version_error(ctx.checked, ctx.versions, model._checked_names)
     need_x = model.is_first and ctx.needs_input_grad[3]
     need_p = ctx.needs_input_grad[5:]
     if not agree_backward(model.comm, _WHAT, ctx.forward_id, error, (need_x or any(need_p),))[0]:

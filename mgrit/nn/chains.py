@@ -27,10 +27,13 @@ the snapshot and of ``act'(z)`` (made once per adjoint solve) instead of gatheri
 multilevel adjoint solves (``closed_single``) the single adjoint steps are closed-form too.
 
 Batching never changes a result: a rank's layers are stacked only when
-:func:`~mgrit.nn.stacking.batching_obstacle` proves, when the chain is built, that they differ
-in nothing but parameter and buffer values (private attributes, tensor attributes, closures and
-hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise every layer is
-evaluated with its own module. A module contributed by a user may provide
+:func:`~mgrit.nn.stacking.batching_obstacle` proves, when the chain is built and again whenever
+the owner's per-call fingerprint (:mod:`mgrit.nn.contract`) sees the modules change, that they
+differ in nothing but parameter and buffer values (private attributes, tensor attributes,
+closures and hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise every
+layer is evaluated with its own module. A native kernel (``forward_batched``,
+``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.contract.kernel` allows it:
+never one inherited from a class whose ``forward`` is not the one the module calls. A module contributed by a user may provide
 ``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
 ``B`` layers stacked along dim 0, ``x`` is ``(B, batch, *state_shape)``, the result has the
 shape of ``x`` and row ``b`` must equal ``module_b(x[b])``. Optional, for speed:
@@ -46,7 +49,8 @@ import torch
 from torch import nn
 
 from ..propagator import Propagator
-from .stacking import Stacked, global_hooks_registered
+from .contract import global_hooks_registered, kernel
+from .stacking import Stacked
 
 __all__ = ["ForwardChain", "AdjointChain"]
 
@@ -74,15 +78,21 @@ class ForwardChain(Propagator):
         self._hooked = False
         self.rebuild()
 
-    def rebuild(self) -> None:
+    def rebuild(self, steps: Sequence[nn.Module] | None = None) -> None:
         """Re-run the batching proof and re-collect the stacked tensors (after a module's
-        structure or non-parameter state changed, or ``.to()`` replaced its buffers)."""
+        structure or non-parameter state changed, or ``.to()`` replaced its buffers; the
+        owner's per-call fingerprint, :mod:`mgrit.nn.contract`, calls it). ``steps``: the
+        rank's step modules now (default: the same modules as before)."""
+        if steps is not None:
+            self.steps = list(steps)
         self._stack, self.batching_obstacle = None, "batched=False"
         if self._want_batched:
             stack = Stacked(self.steps) if len(self.steps) > 1 else None
             self.batching_obstacle = "fewer than two layers" if stack is None else stack.obstacle
             self._stack = stack if stack is not None and stack.ok else None
-        self._layer_fn = self._stack is not None and hasattr(self._stack.template, "forward_layer")
+        self._layer_fn = None  # the template's forward_layer where its contract allows it
+        if self._stack is not None and self._stack._native:
+            self._layer_fn = kernel(self._stack.template, "forward_layer")
 
     def refresh(self, grad: bool = False) -> dict:
         """Snapshot the current parameters for batched steps (every forward solve calls it
@@ -104,7 +114,7 @@ class ForwardChain(Propagator):
         stack = self._stack
         if stack is not None and stack.tensors and not self._hooked and self._layer_fn:
             # the snapshot's layer j without a module call (same values as the module)
-            return u + ((stop - start) * self.h) * stack.template.forward_layer(stack.tensors, j, u)
+            return u + ((stop - start) * self.h) * self._layer_fn(stack.tensors, j, u)
         return u + ((stop - start) * self.h) * self.steps[j](u)
 
     def _dt(self, starts, stops, like):

@@ -79,14 +79,14 @@ class _Pass:
     autograd nodes: no reference cycle through the graph)."""
 
     __slots__ = ("model", "forward_id", "shape", "stats", "prev", "next", "versions",
-                 "need_local", "need")
+                 "need_local", "need", "checked")
 
     def __init__(self, model, shape: torch.Size, stats: SolverStats):
         lv = model._fsolver.hierarchy.levels[0]
         self.model, self.forward_id, self.shape = model, model._forward_count, shape
         self.stats = stats  # of the forward
         self.prev, self.next = lv.prev, lv.next
-        self.versions = None
+        self.versions = self.checked = None
         self.need_local = self.need = False
 
     def exchanger(self, stats: SolverStats) -> Exchanger:
@@ -111,7 +111,7 @@ class _Pass:
     def version_error(self) -> str | None:
         """Autograd's message for a parameter or buffer changed in place since the forward."""
         m = self.model
-        return version_error(m._checked, self.versions, m._checked_names)
+        return version_error(self.checked, self.versions, m._checked_names)
 
     def send_grad(self, g: torch.Tensor | None, stats: SolverStats) -> None:
         """Record the adjoint of the rank's input state; send it to the previous rank."""
@@ -206,7 +206,8 @@ def _forward(model, x0, batch: int) -> torch.Tensor:
     if grad:
         if not isinstance(x0, torch.Tensor):
             x0 = torch.zeros(0, dtype=model.dtype, device=model.device)
-        p.versions = tuple(map(_version, model._checked))
+        p.checked = model._checked  # the tensors this forward's graph holds
+        p.versions = tuple(map(_version, p.checked))
         p.need_local = (model.is_first and x0.requires_grad) or any(
             q.requires_grad for q in model._params)
         u = x_in = _Enter.apply(p, model._token, x0)

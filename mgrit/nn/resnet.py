@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -36,6 +37,8 @@ from ..options import MGRITOptions
 from ..solver import MGRIT
 from .bridge import MGRITFunction
 from .chains import ForwardChain
+from .compiled import compile_neutral_keys, plain_module
+from .contract import Fingerprint, autocast_enabled, global_hooks_registered
 from .controls import SolverControls
 from .pipelined import one_level, pipelined_forward
 from .seeding import layer_seed, make_layers, serial_resnet
@@ -158,6 +161,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self.last_forward = self.last_backward = None
         self._forward_count = 0  # numbers the forwards (the same on every rank: collective)
         self._token = torch.zeros(0, device=self.device, requires_grad=True)  # MGRITFunction
+        self._fingerprint = Fingerprint(self.steps)  # checked on every forward (contract.py)
+        compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
 
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int, state_shape,
@@ -227,17 +232,56 @@ class LayerParallelResNet(SolverControls, nn.Module):
         return [names.get(id(t), "a tensor of this rank's layers") for t in self._checked]
 
     def refresh_structure(self) -> None:
-        """Re-read the step modules after changing anything but parameter/buffer values in
-        place: assigning attributes, swapping submodules or parameters, registering hooks.
-        Re-collects the parameters, re-checks unsupported modules and shared parameters (a
-        ValueError on every rank) and re-runs the batching proof of :mod:`mgrit.nn.stacking`.
+        """Re-read the step modules now. Rarely needed: every forward compares a fingerprint
+        of the step modules (:mod:`mgrit.nn.contract`: parameters, buffers and submodules
+        replaced or added, dtypes, devices, ``training``, hooks) with the one its fast paths
+        were built from and rebuilds them when it changed. Still useful after assigning a plain
+        Python attribute of a step (``step._c = 2.0``; not in the fingerprint) and to re-check
+        unsupported modules and parameters shared across layers (a ValueError on every rank).
         Collective over the layer communicator."""
         raise_agreed(self.comm, self._structure_error())
+        self._restructure()
+
+    def _restructure(self) -> None:
+        """Rebuild what was derived from the step modules: the parameter lists, the batched
+        chain (batching proof, stacked tensors) and the fingerprint. Local (no message)."""
         self._collect_parameters()
-        self._chain.rebuild()
+        self._chain.rebuild(self.steps)
+        self._fingerprint.take()
+
+    def _check_contract(self) -> None:
+        """The per-call check of :mod:`mgrit.nn.contract`: rebuild the fast paths when the
+        step modules changed since they were built."""
+        if not self._fingerprint.same():
+            self._restructure()
+
+    def _serial_reason(self) -> str | None:
+        """Why this forward must run the serial pipeline instead of MGRIT (hooks on the steps
+        or global module hooks; autocast), agreed by every rank (one small ``allgather`` when
+        ``P > 1``), or ``None``."""
+        reason = None
+        if self._fingerprint.hooked():
+            reason = "module hooks are registered on the step modules (or globally)"
+        elif autocast_enabled(self.device):
+            reason = "torch.autocast is active"
+        if self.comm.Get_size() > 1:
+            reason = next((r for r in self.comm.allgather(reason) if r), None)
+        if reason:
+            why = ("hooks fire once per layer on the serial states" if "hook" in reason else
+                   "autocast has serial semantics in the forward and the backward")
+            warnings.warn(f"LayerParallelResNet: {reason}: this forward runs the layers one after "
+                          f"the other (the serial pipeline across the ranks), so that {why}, as "
+                          f"in serial PyTorch, instead of the MGRIT solve (no layer parallelism "
+                          f"while this lasts)", stacklevel=3)
+        return reason
 
     @property
     def batching_obstacle(self) -> str | None:
+        self._check_contract()
+        if global_hooks_registered():
+            return "global module hooks are registered"
+        if self._fingerprint.hooked():
+            return "module hooks are registered on the step modules"
         if self._chain.batched:
             return None
         return self._chain.batching_obstacle or "global module hooks are registered"
@@ -268,8 +312,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
                 raise ValueError("batch_size is required on ranks other than the first")
             batch = int(batch_size)
         self._forward_count += 1
-        if one_level(self, torch.is_grad_enabled()):  # layer-wise model parallelism in autograd
-            return pipelined_forward(self, x0, batch)
+        self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.contract)
+        if one_level(self, torch.is_grad_enabled()) or self._serial_reason():
+            return pipelined_forward(self, x0, batch)  # layer-wise model parallelism in autograd
         if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
             return self._forward_solve(x0 if self.is_first else None, batch, False)[0]
         if not isinstance(x0, torch.Tensor):
@@ -301,13 +346,14 @@ class LayerParallelResNet(SolverControls, nn.Module):
         """Keep the solvers' dtype/device in step with ``.to()``, ``.double()``, ``.cuda()``
         (and the stacked buffers, which ``.to()`` replaces)."""
         super()._apply(fn, *args, **kwargs)
-        self._collect_parameters()
+        if "_fingerprint" not in self.__dict__:  # during __init__
+            return self
+        self._restructure()
         if self._params:
             self.dtype, self.device = self._params[0].dtype, self._params[0].device
             for solver in (self._fsolver, self._bsolver):
                 solver.dtype, solver.device = self.dtype, self.device
             self._token = torch.zeros(0, device=self.device, requires_grad=True)
-        self._chain.rebuild()
         self._warm = self._warm_adj = None
         return self
 
@@ -316,7 +362,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
         """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
         the current weights (shared parameters stay shared), on every rank (collective;
         usable without MPI afterwards)."""
-        pieces = self.comm.allgather([(self.first + j, s) for j, s in enumerate(self.steps)])
+        pieces = self.comm.allgather([(self.first + j, plain_module(s))
+                                      for j, s in enumerate(self.steps)])
         layers = sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0])
         copies = copy.deepcopy([s for _, s in layers])  # one memo: ties are kept
         return nn.Sequential(*[ResidualStep(s, self.h) for s in copies])
@@ -324,7 +371,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective)."""
         local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
-                 for j, s in enumerate(self.steps) for n, t in s.state_dict().items()}
+                 for j, s in enumerate(self.steps) for n, t in plain_module(s).state_dict().items()}
         parts = self.comm.gather(local, root=root)
         return None if parts is None else {k: v for p in parts for k, v in p.items()}
 
@@ -333,6 +380,6 @@ class LayerParallelResNet(SolverControls, nn.Module):
         rank loads its layers (collective). Raises KeyError naming a missing layer."""
         state = self.comm.bcast(state, root=root)
         for j, s in enumerate(self.steps):
-            k = self.first + j
+            k, s = self.first + j, plain_module(s)
             mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}
             s.load_state_dict(mine)

@@ -6,8 +6,8 @@ conv steps, else ``torch.func.vmap`` over ``functional_call``). Such a call appl
 layer's module (the template) with every layer's parameters and buffers, so it equals the
 per-layer calls only when the layers differ in nothing but those tensors.
 
-Contract (checked by :func:`batching_obstacle`, once, when a chain is built or
-:meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure` is called):
+Contract (the batching proof, :func:`batching_obstacle`; run when a chain is built and again
+whenever the per-call fingerprint of :mod:`mgrit.nn.contract` sees the modules change):
 
 * every step has the template's module tree: same submodule names and types;
 * the same parameter and buffer names, shapes, dtypes and devices at every submodule (values
@@ -18,16 +18,23 @@ Contract (checked by :func:`batching_obstacle`, once, when a chain is built or
   device and ``torch.equal``; anything else (functions, lambdas, closures, bound methods,
   arbitrary objects) only if it is the *same object*;
 * the same ``training`` flag at every submodule;
-* no forward / backward / pre hooks on any submodule, and no global module hooks (global
-  hooks registered later are also noticed at every forward: the layers are then evaluated one
-  by one while they are registered);
+* no forward / backward / pre hooks on any submodule, and no global module hooks;
 * no submodule class sets ``batchable = False`` (the documented opt-out).
 
 Otherwise the layers are evaluated one by one: slower, never different. Per-layer state that
 should stay batched belongs in a buffer (``register_buffer``): buffers are stacked per layer.
-The proof is not repeated on every forward (it costs Python work per layer). After changing
-anything but parameter/buffer *values in place* (assigning an attribute, swapping a submodule,
-registering a hook or a new parameter) call ``LayerParallelResNet.refresh_structure()``.
+
+The batched call is the module's own ``forward_batched`` only where
+:func:`mgrit.nn.contract.kernel` allows it (the class that defines the kernel is the class of
+the ``forward`` being called, or below it; its ``kernel_obstacle()`` is ``None``); otherwise
+``vmap`` of ``functional_call``, which calls the module's own ``forward``.
+
+What is checked when (:class:`mgrit.nn.contract.Fingerprint`, on every forward of a
+:class:`~mgrit.nn.resnet.LayerParallelResNet`): parameters, buffers and submodules replaced or
+added, dtypes and devices, ``training`` flags and hooks; any change re-runs this proof and
+re-collects the stacked tensors (``_lists``). Plain Python attributes assigned after build are
+compared only when the proof runs (after such a change, or
+``LayerParallelResNet.refresh_structure()``).
 """
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.nn.modules import module as _torch_module
+
+from .contract import global_hooks_registered, kernel
 
 __all__ = ["batching_obstacle", "Stacked"]
 
@@ -45,15 +53,7 @@ __all__ = ["batching_obstacle", "Stacked"]
 _TORCH_ATTRS = frozenset(vars(nn.Module()))
 #: of those, the hooks that change what calling a module computes
 _CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 _PLAIN = (numbers.Number, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def global_hooks_registered() -> bool:
-    """True when module hooks are registered for every module (``register_module_forward_hook``
-    and friends): a batched call would run them with stacked arguments."""
-    return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
 
 
 def _equal(a, b) -> bool:
@@ -158,13 +158,18 @@ class Stacked:
             self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
             self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
         self.tensors = {}
-        self._native = hasattr(self.template, "forward_batched")
+        # native kernels only where the contract allows them (mgrit.nn.contract.kernel)
+        self._native = kernel(self.template, "forward_batched") is not None
+        self._extras = kernel(self.template, "stack_extras") if self._native else None
 
     @property
     def closed_form_vjp(self) -> bool:
-        """The module has a closed-form batched VJP (DenseStep with a built-in activation):
-        no autograd graph. Read at every use (an activation may be replaced after build)."""
-        return bool(self._native and getattr(self.template, "closed_form_vjp", False))
+        """The module has a closed-form batched VJP (DenseStep with a built-in activation)
+        that its contract allows (:func:`mgrit.nn.contract.kernel`): no autograd graph."""
+        t = self.template
+        return bool(self._native and kernel(t, "closed_form_vjp")
+                    and kernel(t, "vjp_batched") is not None
+                    and kernel(t, "linearize_batched") is not None)
 
     def refresh(self, grad: bool = False) -> dict:
         """Stack the current values into a new snapshot (the tensors of earlier snapshots are
@@ -180,7 +185,7 @@ class Stacked:
             tensors = {n: torch.stack(self._lists[n]) for n in self.names}
         with torch.no_grad():
             tensors.update((n, torch.stack(self._lists[n])) for n in self.bnames)
-            extras = getattr(self.template, "stack_extras", None) if self._native else None
+            extras = self._extras
             if extras is not None:  # derived constants of the module's batched kernel
                 tensors.update(extras({n: t.detach() for n, t in tensors.items()}))
         self.tensors = tensors

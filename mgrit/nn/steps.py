@@ -60,6 +60,28 @@ def _act_derivative(act: nn.Module, z: torch.Tensor) -> torch.Tensor:
 _WT = "linear.weight^T"  # DenseStep.stack_extras: not a parameter name
 
 
+def _linear_obstacle(owner: str, name: str, m: nn.Module, bias: bool = True) -> str | None:
+    if type(m) is not nn.Linear or (bias and m.bias is None):
+        return f"{owner}.{name} is a {type(m).__name__}, not a plain nn.Linear with a bias"
+    return None
+
+
+def _conv_obstacle(owner: str, name: str, m: nn.Module, bias: bool = True) -> str | None:
+    if (type(m) is not nn.Conv2d or (bias and m.bias is None) or m.stride != (1, 1)
+            or m.dilation != (1, 1) or m.groups != 1 or m.padding_mode != "zeros"
+            or isinstance(m.padding, str)):
+        return (f"{owner}.{name} is not a plain nn.Conv2d (stride 1, dilation 1, groups 1, "
+                f"zero padding given as numbers{', with a bias' if bias else ''})")
+    return None
+
+
+def _act_obstacle(owner: str, act: nn.Module) -> str | None:
+    if type(act) not in ACTIVATIONS.values():
+        return (f"{owner}.act is a {type(act).__name__}, not one of the built-in activations "
+                f"{sorted(c.__name__ for c in ACTIVATIONS.values())}")
+    return None
+
+
 class DenseStep(nn.Module):
     """``F(x) = act(W x + b)``, ``W`` of shape ``(width, width)``; states ``(batch, width)``."""
 
@@ -72,6 +94,16 @@ class DenseStep(nn.Module):
 
     def forward(self, x):
         return self.act(self.linear(x))
+
+    def kernel_obstacle(self) -> str | None:
+        """Why the native kernels (:meth:`forward_batched`, :meth:`forward_layer`,
+        :meth:`vjp_batched`, :meth:`linearize_batched`) do not compute this module's
+        ``forward`` (a message), else ``None``: they assume ``linear`` is exactly an
+        ``nn.Linear`` with a bias and ``act`` a built-in activation (no parameters, no
+        per-layer state). Read by :func:`mgrit.nn.contract.kernel`, which also refuses the
+        kernels to a subclass that overrides ``forward``."""
+        return _linear_obstacle("DenseStep", "linear", self.linear) or \
+            _act_obstacle("DenseStep", self.act)
 
     def forward_batched(self, p: dict, x):
         """``B`` layers at once: ``p`` holds this module's parameters stacked along dim 0
@@ -183,6 +215,11 @@ class ConvStep(nn.Module):
     def forward(self, x):
         return self.act(self.conv(x))
 
+    def kernel_obstacle(self) -> str | None:
+        """As :meth:`DenseStep.kernel_obstacle`: :meth:`forward_batched` assumes ``conv`` is a
+        plain ``nn.Conv2d`` with a bias and ``act`` a built-in activation."""
+        return _conv_obstacle("ConvStep", "conv", self.conv) or _act_obstacle("ConvStep", self.act)
+
     def forward_batched(self, p: dict, x):
         """``B`` layers at once as one grouped convolution; ``x`` ``(B, batch, C, H, W)``."""
         return self.act(_grouped_conv(x, p["conv.weight"], p["conv.bias"], self.conv.padding))
@@ -210,6 +247,13 @@ class TwoConvStep(nn.Module):
 
     def forward(self, x):
         return self.act(self.conv2(self.act(self.conv1(x))))
+
+    def kernel_obstacle(self) -> str | None:
+        """As :meth:`DenseStep.kernel_obstacle`: :meth:`forward_batched` assumes ``conv1``,
+        ``conv2`` are plain ``nn.Conv2d`` (bias or not) and ``act`` a built-in activation."""
+        return (_conv_obstacle("TwoConvStep", "conv1", self.conv1, bias=False)
+                or _conv_obstacle("TwoConvStep", "conv2", self.conv2, bias=False)
+                or _act_obstacle("TwoConvStep", self.act))
 
     def forward_batched(self, p: dict, x):
         """``B`` layers at once as grouped convolutions; ``x`` ``(B, batch, C, H, W)``."""

@@ -175,6 +175,23 @@ class TransformerStep(nn.Module):
         act = TRANSFORMER_ACTIVATIONS[self.act]
         return a + self.fc2(act(self.fc1(self.norm2(x + a))))  # phi1(x) + phi2(x + phi1(x))
 
+    def kernel_obstacle(self) -> str | None:
+        """Why :meth:`forward_batched` does not compute this module's ``forward`` (a message),
+        else ``None``: it assumes ``qkv``, ``proj``, ``fc1``, ``fc2`` are exactly ``nn.Linear``
+        with a bias and ``norm1``, ``norm2`` exactly ``nn.LayerNorm(d_model)`` with weight and
+        bias. Read by :func:`mgrit.nn.contract.kernel`, which also refuses the kernel to a
+        subclass that overrides ``forward`` (it then gets ``vmap`` of its own ``forward``)."""
+        for name in ("qkv", "proj", "fc1", "fc2"):
+            m = getattr(self, name)
+            if type(m) is not nn.Linear or m.bias is None:
+                return f"TransformerStep.{name} is not a plain nn.Linear with a bias"
+        for name in ("norm1", "norm2"):
+            m = getattr(self, name)
+            if (type(m) is not nn.LayerNorm or m.weight is None or m.bias is None
+                    or tuple(m.normalized_shape) != (self.d_model,)):
+                return f"TransformerStep.{name} is not nn.LayerNorm(d_model) with weight and bias"
+        return None
+
     def forward_batched(self, p: dict, x: torch.Tensor) -> torch.Tensor:
         """``B`` layers at once: ``out[b] = F_b(x[b])`` (the contract of ``mgrit.nn.chains``).
 

@@ -1,0 +1,189 @@
+"""The eligibility contracts of ``mgrit.nn``'s fast paths and the fingerprint checked on every
+forward.
+
+A fast path is an optimization of a general path that is always correct. Each one here states
+what it assumes about the step modules (its *contract*); :class:`Fingerprint` records the facts
+those contracts depend on when the chain is built and compares them with the modules on every
+forward (and at every MGRIT backward); when they differ the fast paths are rebuilt -- the
+batching proof re-run (:func:`mgrit.nn.stacking.batching_obstacle`), the stacked parameters
+re-collected -- or the general path is taken. Nothing is decided once and trusted until the
+user calls ``refresh_structure()``.
+
+The fast paths and their contracts:
+
+* **Native kernels** (``forward_batched``, ``forward_layer``, ``vjp_batched`` /
+  ``linearize_batched`` / ``closed_form_vjp``, ``stack_extras``; :mod:`mgrit.nn.steps`,
+  :mod:`mgrit.nn.transformer`): a kernel is run only for a module whose class defines it *at
+  or below* the class that defines ``forward`` (:func:`kernel`): a subclass of ``DenseStep``
+  that overrides ``forward`` does not inherit the parent's kernels (it gets the general
+  batched path, ``vmap`` of ``functional_call``, which calls its own ``forward``; else one call
+  per layer). An instance attribute named ``forward`` or a class that overrides ``__call__``
+  also disables every kernel. The class's ``kernel_obstacle()`` states what else its kernels
+  assume (e.g. ``DenseStep``: ``linear`` is exactly an ``nn.Linear`` with a bias).
+* **Batched evaluation** (``Stacked``, :mod:`mgrit.nn.stacking`): the layers differ only in
+  parameter and buffer values (the batching proof); no module hooks; see that module.
+* **The stacked-parameter snapshot** (:mod:`mgrit.nn.bridge`): the stacked tensors are the
+  layers' current parameters and buffers (identity), with one dtype and device per name.
+* **MGRIT itself** (:class:`~mgrit.nn.resnet.LayerParallelResNet`): a step's forward is a
+  pure function of its input and tensors, evaluated any number of times per forward solve.
+  Module hooks (forward, pre-forward, backward, on any submodule of a step, or registered
+  globally) would fire on intermediate iterates, and ``torch.autocast`` changes what a layer
+  computes in ways the adjoint solve does not reproduce: under either, the forward runs the
+  serial pipeline across the ranks (:mod:`mgrit.nn.pipelined`) -- serial PyTorch's autograd of
+  the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
+  in serial) and autocast has serial semantics, also in the backward.
+
+The fingerprint (:class:`Fingerprint`, cost measured in
+``experiments/results/fingerprint_overhead.md``): the identity of every entry of every
+``_modules``, ``_parameters`` and ``_buffers`` dict in the steps' module trees and their total
+count (a parameter replaced with ``step.linear.weight = nn.Parameter(...)`` or
+``load_state_dict(sd, assign=True)``, a submodule or step swapped, a parameter or buffer
+added); the set of dtypes and devices of those tensors (``.to()`` on one step); the
+``training`` flag of every module (a pattern that is the same at every layer keeps the batching
+proof valid and only updates the record); whether any module hook dict is non-empty, and the
+global module hooks; autocast (per call). ``requires_grad`` needs no record: the snapshot is
+stacked with autograd at every forward, so a frozen or unfrozen parameter is seen by the next
+forward; grad mode is read at every call by the kernels that depend on it.
+
+Not covered (compared by the batching proof when the chain is rebuilt, i.e. after any change
+above or :meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure`): plain Python
+attributes of a step assigned after build (``step._c = 2.0``) -- checking them on every call
+would cost Python work per attribute; per-layer state that changes belongs in a buffer.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "global_hooks_registered"]
+
+#: per-module hook dicts that change what calling a module does (torch's own names)
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TRAINING = operator.itemgetter("training")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_KERNEL_OK: dict = {}  # (class, name) -> bool
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def global_hooks_registered() -> bool:
+    """True when module hooks are registered for every module (``register_module_forward_hook``
+    and friends)."""
+    return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _definer(cls: type, name: str):
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _kernel_ok(cls: type, name: str) -> bool:
+    owner = _definer(cls, name)
+    if owner is None:
+        return False
+    fwd = _definer(cls, "forward")
+    call = _definer(cls, "__call__")
+    return (fwd is not None and issubclass(owner, fwd) and call is nn.Module
+            and _definer(cls, "_call_impl") is nn.Module)
+
+
+def kernel(module: nn.Module, name: str):
+    """``module``'s fast-path method ``name`` (bound), or ``None`` where the contract forbids
+    it: the class defining ``name`` must be the class defining ``forward`` or a subclass of it
+    (never a kernel inherited from a class whose ``forward`` is not the one called), neither
+    ``__call__`` nor ``forward`` overridden on the class or the instance, and
+    ``module.kernel_obstacle()`` (when defined) ``None``. Cached per class; O(1)."""
+    cls = type(module)
+    ok = _KERNEL_OK.get((cls, name))
+    if ok is None:
+        ok = _KERNEL_OK[(cls, name)] = _kernel_ok(cls, name)
+    if not ok or "forward" in vars(module):
+        return None
+    check = getattr(module, "kernel_obstacle", None)
+    if check is not None and check() is not None:
+        return None
+    return getattr(module, name)
+
+
+def kernel_obstacle(module: nn.Module, name: str = "forward_batched") -> str | None:
+    """Why ``module``'s ``name`` kernel may not run (a message), ``None`` when it may or when
+    the class has none (then the general path runs anyway)."""
+    if not hasattr(type(module), name):
+        return None
+    if kernel(module, name) is not None:
+        return None
+    check = getattr(module, "kernel_obstacle", None)
+    reason = check() if check is not None else None
+    return reason or (f"{type(module).__name__}.{name} is inherited from a class whose forward "
+                      f"is not {type(module).__name__}.forward")
+
+
+def autocast_enabled(device: torch.device) -> bool:
+    """Whether ``torch.autocast`` is active for ``device``'s type (and, for CUDA states, CPU)."""
+    return torch.is_autocast_enabled(device.type) or (
+        device.type != "cpu" and torch.is_autocast_enabled("cpu"))
+
+
+class Fingerprint:
+    """The facts of the module docstring for the module trees under ``root`` (the
+    ``nn.ModuleList`` of a rank's steps), recorded by :meth:`take` and compared by
+    :meth:`same` (structure, dtypes, devices, aligned ``training`` patterns) and
+    :meth:`hooked`. ``epoch`` counts the records (a forward's node keeps the epoch it ran with).
+
+    Cost per call: a few C-level passes over flat lists, linear in the number of modules and
+    tensors (no Python loop per layer)."""
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self.epoch = 0
+        self.take()
+
+    def take(self) -> None:
+        """Record the current facts (after the fast paths were rebuilt from them)."""
+        mods = list(self.root.modules())
+        dicts = [d for m in mods for d in (m._modules, m._parameters, m._buffers)]
+        self._dicts = dicts
+        self._total = sum(map(len, dicts))
+        self._owners = [d for d in dicts for _ in d]
+        self._keys = [k for d in dicts for k in d]
+        self._values = list(map(operator.getitem, self._owners, self._keys))
+        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
+        self._meta = self._tensor_meta()
+        self._hooks = [getattr(m, h) for m in mods for h in MODULE_HOOKS]
+        # (a torch.compile wrapper has no own flag: it reads its module's, recorded anyway)
+        self._mdicts = [vars(m) for m in mods if "training" in vars(m)]
+        self._training = bytes(map(_TRAINING, self._mdicts))
+        # modules per step when every step has the same tree (training patterns repeat)
+        per = [sum(1 for _ in s.modules()) for s in self.root.children()]
+        self._period = per[0] if per and len(set(per)) == 1 and 1 + sum(per) == len(mods) else 0
+        self.epoch += 1
+
+    def _tensor_meta(self):
+        return set(map(_DTYPE, self._tensors)), set(map(_DEVICE, self._tensors))
+
+    def same(self) -> bool:
+        """Whether the recorded facts still hold (a ``training`` pattern that changed but is
+        the same at every layer is accepted and recorded: the batching proof still holds)."""
+        if sum(map(len, self._dicts)) != self._total:
+            return False
+        try:
+            if not all(map(operator.is_, map(operator.getitem, self._owners, self._keys),
+                           self._values)):
+                return False
+        except KeyError:
+            return False
+        training = bytes(map(_TRAINING, self._mdicts))
+        if training != self._training:
+            n = self._period
+            body = training[1:]
+            if not n or body != body[:n] * (len(body) // n):
+                return False
+            self._training = training
+        return self._tensor_meta() == self._meta
+
+    def hooked(self) -> bool:
+        """Whether a module hook is registered on any module under ``root`` or globally."""
+        return any(self._hooks) or global_hooks_registered()
