@@ -58,6 +58,7 @@ from torch.nn import functional as F
 from ..comm import raise_agreed
 from ..stats import SolverStats
 from ._p2p import join, recv, send, transfer_tag
+from .compiled import compile_neutral_keys, plain_module
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 
@@ -112,6 +113,7 @@ class LayerParallelNet(nn.Module):
         self.last_rank = last_rank(segs[-1])
         self.transfer_stats = SolverStats()
         self._probed = {}
+        compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
         raise_agreed(self.comm, self._construction_error())
 
     # -- checks ------------------------------------------------------------------------------
@@ -134,7 +136,9 @@ class LayerParallelNet(nn.Module):
         segs = list(self.segments)
         mods = [(str(p.dtype), str(p.device)) for m in self.stages.values()
                 for p in list(m.parameters())[:1]]
-        key = (tuple(x.shape[1:]), x.dtype, tuple(mods), tuple(str(s.dtype) for s in segs))
+        autocast = tuple(torch.is_autocast_enabled(t) for t in ("cpu", "cuda"))
+        key = (tuple(x.shape[1:]), x.dtype, tuple(mods), tuple(str(s.dtype) for s in segs),
+               autocast)
         if key not in self._probed:
             error = None
             for gap in self._gaps:
@@ -239,14 +243,15 @@ class LayerParallelNet(nn.Module):
     # -- global views (collective) -----------------------------------------------------------
     def _local_modules(self):
         """``(serial index, module, h)`` for every layer (``h``: its step size) and ordinary
-        module (``h = None``) this rank holds."""
+        module (``h = None``) this rank holds; a ``torch.compile``d module as the module it
+        wraps (:mod:`mgrit.nn.compiled`: global keys do not depend on compilation)."""
         for part in self._parts:
             if part.is_segment:
                 seg = part.module
                 for j, s in enumerate(seg.steps):
-                    yield part.offset + seg.first + j, s, seg.h
+                    yield part.offset + seg.first + j, plain_module(s), seg.h
             elif part.owner == self.rank:
-                yield part.offset, self.stages[str(part.index)], None
+                yield part.offset, plain_module(self.stages[str(part.index)]), None
 
     def named_global_modules(self):
         """``(global name, module)`` for every ordinary module (name ``"{o}"``) and residual

@@ -195,6 +195,12 @@ def gap_error(gap: Gap, segs, in_shape, in_dtype, check_dtype: bool) -> str | No
         return (f"{what} (batch, {', '.join(map(str, shape))}) but segment {gap.before} has "
                 f"state_shape {tuple(seg.state_shape)}: make them equal")
     if check_dtype and dtype != seg.dtype:
+        if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+            return (f"{what} {dtype} under torch.autocast but segment {gap.before}'s states are "
+                    f"{seg.dtype}: a layer-parallel segment keeps its states in its layers' "
+                    f"dtype (autocast inside its layers is supported, with serial semantics); "
+                    f"return {seg.dtype} from the module before the segment (e.g. end it "
+                    f"with .to({seg.dtype}) or run it outside autocast)")
         return (f"{what} {dtype} but segment {gap.before}'s layers are {seg.dtype}: convert "
                 f"the modules (e.g. net.double()) or the input")
     return None

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import LayerParallelNet, LayerParallelResNet
+from ..nn.compiled import plain_module
 from .faults import instrument_resnet, instrument_solver
 
 __all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",
@@ -85,9 +86,9 @@ def blocks(net: nn.Module) -> list:
     on the partition, so checkpoints re-partition by key."""
     if isinstance(net, LayerParallelNet):
         return [(f"{name}.", m) for name, m in net.named_global_modules()]
-    if isinstance(net, SerialNet):
-        return [("", net.module)]
-    return [("", net)]
+    if isinstance(net, SerialNet):  # a torch.compile wrapper: the keys of the plain module
+        return [("", plain_module(net.module))]
+    return [("", plain_module(net))]
 
 
 def segments(net: nn.Module) -> list:

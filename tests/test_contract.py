@@ -1,0 +1,72 @@
+"""Issue 22 items 1, 2, 3, 7, 8 (the fast paths' contract, :mod:`mgrit.nn.contract`): subclasses
+of the shipped steps, module hooks, parameters replaced after build, autocast and compiled
+steps, each against serial PyTorch autograd on the same weights (float64, 2 levels, solves to
+1e-13, compared at 1e-9 relative; autocast: float32/bfloat16 at 1e-6), on 1 rank in-process and
+on 2 and 3 ranks in one MPI job each. The checks are in ``tests/mpi_cases/contract_cases.py``.
+"""
+import warnings
+
+import pytest
+import torch
+
+from mgrit.nn import DenseStep, LayerParallelResNet
+from mgrit.nn.contract import Fingerprint
+from tests.mpi_cases import contract_cases as C
+from tests.mpi_harness import MPIBatch
+
+T = "tests.mpi_cases.contract_cases"
+DENSE = ["dense_subclass", "dense_buffer_subclass", "user_step", "dense"]
+CHECKS = ["check_replaced_activation", "check_hooks", "check_replaced_parameters",
+          "check_changed_between_forward_and_backward", "check_autocast",
+          "check_compiled_state_dict"]
+BATCH = MPIBatch()
+BATCH.add(2, "subclasses", f"{T}:check_subclasses", names=DENSE + ["conv_subclass"])
+for name in CHECKS:
+    BATCH.add(2, name, f"{T}:{name}")
+for name in ["check_hooks", "check_replaced_parameters", "check_autocast"]:
+    BATCH.add(3, name, f"{T}:{name}")
+BATCH.add(3, "subclasses", f"{T}:check_subclasses", names=["dense_buffer_subclass"])
+
+
+@pytest.mark.parametrize("name", ["check_subclasses"] + CHECKS)
+def test_one_rank(name):
+    """All checks on one rank (COMM_WORLD of this process), every step class."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        getattr(C, name)()
+
+
+@pytest.mark.parametrize("k,name", BATCH.ids())
+def test_ranks(k, name):
+    BATCH.run(k, name)
+
+
+def test_fingerprint_sees_each_change():
+    """Each fact of the contract changes the fingerprint; values changed in place and a
+    train/eval switch of every layer alike do not (no rebuild needed)."""
+    lp = LayerParallelResNet.build(lambda k: DenseStep(3), 4, (3,))
+    fp = lp._fingerprint
+    assert fp.same() and not fp.hooked()
+    with torch.no_grad():
+        lp.steps[1].linear.weight.add_(1.0)
+    lp.eval()
+    assert fp.same()  # in-place values, every layer in eval mode: the proof still holds
+    lp.train()
+    changes = [
+        lambda: setattr(lp.steps[1].linear, "weight", torch.nn.Parameter(torch.ones(3, 3))),
+        lambda: lp.steps[2].register_buffer("extra", torch.zeros(1)),
+        lambda: lp.steps.__setitem__(3, DenseStep(3)),
+        lambda: setattr(lp.steps[0], "act", torch.nn.ReLU()),
+        lambda: lp.steps[0].linear.eval(),
+        lambda: lp.steps[1].double(),
+    ]
+    for change in changes:
+        change()
+        assert not fp.same()
+        lp._restructure()
+        assert fp.same()
+    h = lp.steps[2].linear.register_forward_hook(lambda *a: None)
+    assert fp.hooked()
+    h.remove()
+    assert not fp.hooked()
+    assert isinstance(fp, Fingerprint)
