@@ -64,8 +64,8 @@ class UserStep(nn.Module):
 MAKERS = {  # name: (make_step(k), state_shape, layers)
     "dense_subclass": (lambda k: HalfDense(3).double(), (3,), N),
     "dense_buffer_subclass": (lambda k: ScaledDense(3, k).double(), (3,), N),
-    "conv_subclass": (lambda k: HalfConv(2, 3, "tanh").double(), (2, 3, 3), 6),
-    "transformer_subclass": (lambda k: HalfTransformer(4, 2, 8).double(), (2, 4), 6),
+    "conv_subclass": (lambda k: HalfConv(2, 3, "tanh").double(), (2, 3, 3), 4),
+    "transformer_subclass": (lambda k: HalfTransformer(4, 2, 8).double(), (2, 4), 4),
     "user_step": (lambda k: UserStep(3).double(), (3,), N),
     "dense": (lambda k: DenseStep(3).double(), (3,), N),
 }
