@@ -20,14 +20,14 @@ forwards the output on the rank holding it; after backwards the input gradient w
 from __future__ import annotations
 
 import contextlib
-import io
-import itertools
 
 import torch
 from mpi4py import MPI
-from torch import nn
 
-from .nets import Twin, build_net, input_shape
+from mgrit.parallel import GradientBuckets, ProcessGrid
+
+from .model_actions import ModelActions
+from .nets import Twin, input_shape
 
 B = 4  # batch
 TOL = 1e-9
@@ -70,11 +70,19 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
 
 
-class Run:
-    """The state of one program: twin, pending outputs, hooks, optimizers."""
+class Run(ModelActions):
+    """The state of one program: twin, pending outputs, hooks, optimizers. With ``spec["dp"]
+    == 2`` on an even number of ranks: 2 data-parallel replicas (a :class:`ProcessGrid`), each
+    running its half of every batch, gradients averaged by :class:`GradientBuckets` after each
+    backward (built with each new optimizer, as a ``Trainer`` builds them); the serial loss is
+    then divided by the replica count (the averaged gradient is that of the mean)."""
 
     def __init__(self, spec: dict, comm: MPI.Comm):
-        self.spec, self.comm = spec, comm
+        self.spec, self.grid, self.R, self.r = spec, None, 1, 0
+        if spec.get("dp", 1) == 2 and comm.size % 2 == 0:
+            self.grid = ProcessGrid(comm, data_parallel=2)
+            comm, self.R, self.r = self.grid.layer_comm, 2, self.grid.data_rank
+        self.comm = comm
         self.twin = Twin(spec, comm)
         self.pending = []  # (lp out, serial out, lp x, serial x)
         self.hooks = []  # (lp handles, serial handles)
@@ -90,9 +98,32 @@ class Run:
             return torch.optim.Adam(params, lr=c["lr"], weight_decay=c["wd"])
         return torch.optim.SGD(params, lr=c["lr"], momentum=c["momentum"], weight_decay=c["wd"])
 
-    def _new_opts(self):
+    def _new_opts(self, buckets=True):
         self.opt_lp = self._opt(list(self.twin.lp.parameters()))
         self.opt_ser = self._opt(list(self.twin.ser.parameters()))
+        if self.grid is not None and buckets:
+            self.buckets = GradientBuckets(self.twin.lp.parameters(), self.grid.data_comm)
+
+    def _average(self):
+        if self.grid is not None:
+            self.buckets.average()
+
+    def _shard(self, t):
+        """This replica's rows of a global batch."""
+        n = t.shape[0] // self.R
+        return t[self.r * n:(self.r + 1) * n]
+
+    def _reduce(self, g, mean=True):
+        """A tensor summed (``mean``: averaged) over the replicas."""
+        if self.grid is None or g is None:
+            return g
+        g = g.detach().clone()
+        self.grid.data_comm.Allreduce(MPI.IN_PLACE, g.numpy(), op=MPI.SUM)
+        return g / self.R if mean else g
+
+    def free(self):
+        if self.grid is not None:
+            self.grid.free()
 
     def check(self, a, b, what):
         why = differ(a, b, what=what)
@@ -130,12 +161,18 @@ class Run:
 
     def _out(self, a, b, what="output"):
         if self.twin.holds_output:
-            self.check(a, b, what)
+            self.check(a, self._shard(b), what)
 
     def _xgrad(self, xl, xs, what="input.grad"):
         g = self.twin.lp_x_grad(xl)
-        if not isinstance(g, str):
-            self.check(g, xs.grad, what)
+        if not isinstance(g, str):  # replicas fill their rows; serial's loss is the mean
+            self.check(self._reduce(g), xs.grad, what)
+
+    def lp_loss(self, out, w):
+        return self.twin.lp_loss(out, self._shard(w))
+
+    def ser_loss(self, out, w):
+        return self.twin.ser_loss(out, w) / self.R
 
     # -- actions: each runs ``ser`` (serial) then ``lp`` via ``both`` --------------------------
     def a_forward(self, both, x, mode):
@@ -143,7 +180,7 @@ class Run:
         with self._mode(mode):
             ys = both("ser", lambda: self.twin.ser_forward(xs))
         with self._mode(mode):
-            yl = both("lp", lambda: self.twin.lp_forward(xl))
+            yl = both("lp", lambda: self.twin.lp_forward(self._shard(xl)))
         if yl is not None and ys is not None:
             self._out(yl, ys)
             if mode in ("grad", "autocast"):
@@ -154,10 +191,11 @@ class Run:
             return
         entries = self.pending if all else [self.pending[i % len(self.pending)]]
         ws = [self._w(e[1], w, j) for j, e in enumerate(entries)]
-        both("ser", lambda: sum(self.twin.ser_loss(e[1], v) for e, v in zip(entries, ws))
+        both("ser", lambda: sum(self.ser_loss(e[1], v) for e, v in zip(entries, ws))
              .backward(retain_graph=retain))
-        both("lp", lambda: sum(self.twin.lp_loss(e[0], v) for e, v in zip(entries, ws))
+        both("lp", lambda: sum(self.lp_loss(e[0], v) for e, v in zip(entries, ws))
              .backward(retain_graph=retain))
+        both("lp", self._average)
         for e in entries:
             self._xgrad(e[2], e[3])
         if not retain:
@@ -170,34 +208,36 @@ class Run:
         v = self._w(ys, w)
         keys = [k for k, p in sorted(self.twin.lp_params().items()) if p.requires_grad]
         sp = self.twin.ser_params()
-        gs = both("ser", lambda: torch.autograd.grad(self.twin.ser_loss(ys, v),
+        gs = both("ser", lambda: torch.autograd.grad(self.ser_loss(ys, v),
                                                      [xs] + [sp[k] for k in keys if k in sp],
                                                      retain_graph=retain, allow_unused=True))
         lp = self.twin.lp_params()
-        gl = both("lp", lambda: torch.autograd.grad(self.twin.lp_loss(yl, v),
+        gl = both("lp", lambda: torch.autograd.grad(self.lp_loss(yl, v),
                                                     [xl] + [lp[k] for k in keys],
                                                     retain_graph=retain, allow_unused=True))
         if gs is not None and gl is not None:
             if self.twin.holds_input and not self.twin.gru:
-                self.check(gl[0], gs[0], "autograd.grad input")
+                self.check(self._reduce(gl[0]), gs[0], "autograd.grad input")
             for k, a, b in zip(keys, gl[1:], gs[1:]):
                 z = torch.zeros_like(sp[k])  # allow_unused: None and zeros are the same
-                self.check(z if a is None else a, z if b is None else b, f"autograd.grad {k}")
+                self.check(self._reduce(z if a is None else a), z if b is None else b,
+                           f"autograd.grad {k}")
         if not retain:
             self.pending = [e for e in self.pending if e[0] is not yl]
 
     def a_accumulate(self, both, x, w, chunks):
-        """Micro-batches: forward and backward each chunk of a batch of 6 (F1 B1 F2 B2 ...)."""
-        xl, xs = self._x(x, rows=6)
+        """Micro-batches: forward and backward each chunk of a batch of 12 (F1 B1 F2 B2 ...)."""
+        xl, xs = self._x(x, rows=12)
         for j, (cl, cs) in enumerate(zip(xl.chunk(chunks), xs.chunk(chunks))):
             ys = both("ser", lambda: self.twin.ser_forward(cs))
-            yl = both("lp", lambda: self.twin.lp_forward(cl))
+            yl = both("lp", lambda: self.twin.lp_forward(self._shard(cl)))
             if ys is None or yl is None:
                 return
             self._out(yl, ys, f"micro-batch {j} output")
             v = self._w(ys, w, j)
-            both("ser", lambda: self.twin.ser_loss(ys, v).backward())
-            both("lp", lambda: self.twin.lp_loss(yl, v).backward())
+            both("ser", lambda: self.ser_loss(ys, v).backward())
+            both("lp", lambda: self.lp_loss(yl, v).backward())
+            both("lp", self._average)
         self._xgrad(xl, xs)
 
     def a_zero_grad(self, both, none):
@@ -229,143 +269,6 @@ class Run:
         both("ser", lambda: torch.nn.utils.clip_grad_norm_(self.twin.ser.parameters(), max_norm))
         both("lp", lambda: clip_layer_parallel(self.twin, max_norm))
 
-    def a_hook_add(self, both, kind):
-        lp_h, ser_h = [], []
-        for side, names, get, out in (
-                ("ser", self.twin.all_step_names(), self.twin.ser_module, ser_h),
-                ("lp", self.twin.step_names(), lambda n: self.twin.lp_modules()[n], lp_h)):
-            counts = self.counts[side]
-            for name in names:
-                mod = get(name)
-                if kind == "count":
-                    counts.setdefault(name, 0)
-                    fn = _counter(counts, name)
-                    out.append(both(side, lambda: mod.register_forward_hook(fn)))
-                elif kind == "scale":
-                    out.append(both(side, lambda: mod.register_forward_hook(
-                        lambda m, a, o: o * 1.25)))
-                else:
-                    out.append(both(side, lambda: mod.register_forward_pre_hook(
-                        lambda m, a: (a[0] * 0.9,))))
-        self.hooks.append((lp_h, ser_h))
-
-    def a_hook_remove(self, both):
-        if self.hooks:
-            for h in itertools.chain(*self.hooks.pop()):
-                if h is not None:
-                    h.remove()
-
-    def _param_site(self, module, key, k):
-        """``(owner module, attribute name)`` of parameter ``key`` below global module ``k``."""
-        path = key[len(k) + 1:] if k else key
-        owner, _, name = path.rpartition(".")
-        return (module.get_submodule(owner) if owner else module), name
-
-    def a_replace_param(self, both, p):
-        keys = sorted(self.twin.ser_params())
-        key = keys[p % len(keys)]
-        owner, name = self._param_site(self.twin.ser, key, "")
-        both("ser", lambda: setattr(owner, name, _replaced(getattr(owner, name))))
-        for k, mod in self.twin.lp_modules().items():
-            if key.startswith(k + "."):
-                o, n = self._param_site(mod, key, k)
-                both("lp", lambda: setattr(o, n, _replaced(getattr(o, n))))
-        self._new_opts()
-        self.pending = []
-
-    def a_load_assign(self, both, scale):
-        sd = {k: v * scale for k, v in self.twin.ser.state_dict().items()}
-        both("ser", lambda: self.twin.ser.load_state_dict(sd, assign=True))
-        for k, mod in self.twin.lp_modules().items():
-            local = {n: v * scale for n, v in mod.state_dict().items()}
-            both("lp", lambda: mod.load_state_dict(local, assign=True))
-        self._new_opts()
-        self.pending = []
-
-    def _gather(self):
-        if self.twin.gru:
-            return {f"cell.{k}": v.detach().clone() for k, v in self.twin.lp.state_dict().items()}
-        return self.twin.lp.gather_state_dict(0)
-
-    def _load(self, net, state, comm):
-        if self.twin.gru:
-            net.load_state_dict({k[5:]: v for k, v in state.items()})
-        else:
-            net.load_global_state_dict(state if comm.rank == 0 else None)
-
-    def a_checkpoint(self, both, x):
-        """Save (gather, torch.save, torch.load with weights_only) and load into a new model
-        built with other weights on the same ranks; the program continues on the new one."""
-        def lp():
-            state = self._gather()
-            if self.comm.rank == 0 or self.twin.gru:
-                want = set(self.twin.ser.state_dict())
-                if set(state) != want:
-                    self.problems.append(f"checkpoint keys {sorted(set(state) - want)[:3]} are "
-                                         f"not serial keys {sorted(want - set(state))[:3]}")
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-            fresh = build_net(self.spec, self.comm, seed=self.spec["seed"] + 7919)
-            self._load(fresh, state, self.comm)
-            old = self.twin.lp_params()
-            for k, p in (fresh.named_parameters() if self.twin.gru
-                         else fresh.named_global_parameters()):
-                p.requires_grad_(old[f"cell.{k}" if self.twin.gru else k].requires_grad)
-            fresh.train(self.twin.lp.training)
-            self.twin.lp = fresh
-        both("lp", lp)
-        while self.hooks:  # the new model has none: drop the serial ones too
-            self.a_hook_remove(both)
-        self.counts = {"lp": {}, "ser": {}}
-        self._new_opts()
-        self.pending = []
-
-    def a_reload_self(self, both, x):
-        """The gathered weights loaded into the same network on ONE rank (a checkpoint across
-        rank counts); its no-grad output must equal serial's, on every rank."""
-        def lp():
-            state = self.comm.bcast(self._gather(), root=0)
-            one = build_net(self.spec, MPI.COMM_SELF, seed=self.spec["seed"] + 7919)
-            self._load(one, state, MPI.COMM_SELF)
-            one.train(self.twin.lp.training)
-            with torch.no_grad():
-                return one(self._x(x)[0])
-        yl = both("lp", lp)
-        if yl is not None and not self.hooks:
-            with torch.no_grad():
-                self.check(yl, self.twin.ser_forward(self._x(x)[1]), "output after a 1-rank load")
-
-    def a_nan_backward(self, both, x):
-        """A backward whose loss weights hold a NaN: serial gets NaN gradients; the
-        layer-parallel side must raise on every rank, or agree with serial and report no
-        solve as converged."""
-        xl, xs = self._x(x)
-        ys = both("ser", lambda: self.twin.ser_forward(xs))
-        yl = both("lp", lambda: self.twin.lp_forward(xl))
-        if ys is None or yl is None:
-            return
-        v = self._w(ys, x)
-        v.view(-1)[0] = float("nan")
-        both("ser", lambda: self.twin.ser_loss(ys, v).backward())
-        both("lp", lambda: self.twin.lp_loss(yl, v).backward())
-        if self.spec["levels"] > 1:
-            solves = [self.twin.lp] if self.twin.gru else list(self.twin.lp.segments)
-            if any(getattr(s.last_backward, "converged", False) for s in solves):
-                self.problems.append("an adjoint solve with NaN reported converged=True")
-
-
-def _counter(counts: dict, name: str):
-    def hook(module, args, out):
-        counts[name] += 1
-    return hook
-
-
-def _replaced(p: nn.Parameter) -> nn.Parameter:
-    with torch.no_grad():
-        return nn.Parameter(p.detach() * 0.9 + 0.01, requires_grad=p.requires_grad)
-
-
 def run_program(program: dict, comm: MPI.Comm, tol: float = TOL) -> dict:
     """Run ``program`` on ``comm`` (collective); the same verdict on every rank."""
     old = torch.get_default_dtype()
@@ -377,6 +280,7 @@ def run_program(program: dict, comm: MPI.Comm, tol: float = TOL) -> dict:
 
 
 def _run(program, comm):
+    run = None
     try:
         run = Run(program["net"], comm)
         err = None
@@ -386,6 +290,13 @@ def _run(program, comm):
     if any(errs):
         status = "fail" if not all(errs) else "refused"
         return {"status": status, "step": -1, "kind": "build", "message": str(errs)}
+    try:
+        return _actions(run, program, comm)
+    finally:
+        run.free()
+
+
+def _actions(run, program, comm):
     for step, (kind, args) in enumerate(program["actions"]):
         exc = {"ser": None, "lp": None}
 

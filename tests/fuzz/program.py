@@ -30,6 +30,7 @@ KNOWN_BROKEN_ON_MAIN = frozenset({
     "autocast",          # item 7: torch.autocast around the net
     "compile",           # item 8: torch.compile'd steps, state-dict keys
     "clip",              # item 10: clip_grad_norm_ on every rank (global norm expected)
+    "unfreeze_dp",       # item 4: unfreezing under data parallelism (2 replicas, P = 2)
 })
 ALL_FEATURES = KNOWN_BROKEN_ON_MAIN
 
@@ -62,7 +63,7 @@ def generate_spec(c, enabled=frozenset()) -> dict:
     return {"kind": kind, "step": "shipped" if kind == "gru" else c.pick(steps),
             "layers": c.pick([4, 5, 6]), "levels": c.pick([1, 2]), "norm": c.pick(["l2", "inf"]),
             "compiled": kind != "gru" and "compile" in enabled and c.bool(0.05),
-            "seed": c.int(0, 9999)}
+            "dp": c.pick([1, 1, 2]), "seed": c.int(0, 9999)}
 
 
 def _kinds(spec, enabled, pending, hooks):
@@ -99,8 +100,9 @@ def generate_action(c, spec, enabled, state) -> list:
         args = {"none": c.bool(0.7)}
     elif kind == "train":
         args = {"on": c.bool()}
-    elif kind == "freeze":
-        args = {"p": c.int(0, 99), "on": c.bool()}
+    elif kind == "freeze":  # unfreezing under data parallelism is gated (item 4)
+        args = {"p": c.int(0, 99),
+                "on": c.bool() and (spec["dp"] == 1 or "unfreeze_dp" in enabled)}
     elif kind == "opt_new":
         args = {"kind": c.pick(["sgd", "adam"]), "lr": c.pick([0.1, 0.01]),
                 "momentum": c.pick([0.0, 0.9]), "wd": c.pick([0.0, 0.01])}
@@ -143,7 +145,7 @@ def dumps(program: dict) -> str:
 
 
 # -- shrinking (multi-rank runs; Hypothesis shrinks the 1-rank ones) ----------------------------
-SIMPLER = (("compiled", False), ("norm", "l2"), ("levels", 1), ("step", "shipped"),
+SIMPLER = (("compiled", False), ("dp", 1), ("norm", "l2"), ("levels", 1), ("step", "shipped"),
            ("kind", "dense"), ("layers", 4))
 
 
@@ -174,7 +176,7 @@ def shrink(program: dict, fails, budget: int = 60) -> dict:
         chunk //= 2
     best["actions"] = acts
     for key, value in SIMPLER:
-        if best["net"].get(key) != value:
+        if best["net"].get(key, value) != value:
             net = dict(best["net"], **{key: value})
             if check({"net": net, "actions": acts}):
                 best["net"] = net
