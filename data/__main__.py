@@ -7,7 +7,10 @@
   ``--out`` defaults to ``$LAYERPAR_DATA_CACHE`` or ``./data_cache``. ``--data-root`` is the
   flag's name in ``experiments/train.py`` too; the old spelling ``--root`` is still accepted
   (hidden, deprecated: it prints a warning).
-* ``python -m data verify FILE [FILE ...]`` -- validate cache files and their checksums.
+* ``python -m data verify PATH [PATH ...]`` -- validate cache files (a folder: every ``*.h5`` in
+  it): attributes, shapes, labels, HDF5's Fletcher-32 checksum of every chunk and the SHA-256
+  of the content. One line per file (``PATH: ok ...`` on stdout or ``error: PATH: ...`` on
+  stderr); every file is checked even after a failure.
 
 Exit status 0 on success, 2 on a usage error, missing or malformed file
 (the message, printed to stderr as ``error: ...``, names the file or value).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .datasets import HDF5, available_datasets, dataset_info
 from .errors import DataFormatError
@@ -47,9 +51,43 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--seed", type=int, default=0, help="seed of the stratified split / peaks generation (default 0)")
     pp.add_argument("--test-fraction", type=float, default=0.2,
                     help="test share for sets without a shipped split (default 0.2)")
-    pv = sub.add_parser("verify", help="validate HDF5 cache files and recompute their checksums")
-    pv.add_argument("files", nargs="+", help="cache files written by `prepare`")
+    pv = sub.add_parser("verify", help="validate HDF5 cache files (or every *.h5 in a folder) and their checksums")
+    pv.add_argument("files", nargs="+", metavar="PATH",
+                    help="cache files written by `prepare`, or folders holding them")
     return p
+
+
+def _cache_files(paths) -> list:
+    """``paths`` with every folder replaced by its ``*.h5`` files (sorted); a folder without any
+    raises FileNotFoundError."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(q for q in p.glob("*.h5") if q.is_file())
+            if not found:
+                raise FileNotFoundError(f"folder {p} holds no *.h5 cache files; "
+                                        f"create them with `python -m data prepare NAME --out {p}`")
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
+def _verify(paths) -> int:
+    """Verify every cache file; one line per file; 0 if all are intact, else 2."""
+    files = _cache_files(paths)
+    bad = 0
+    for f in files:
+        try:
+            with open_h5_split(f, normalize=False, verify=True) as s:
+                print(f"{f}: ok name={s.name} split={s.split} n={len(s)} x{s.x.shape} {s.x.dtype} "
+                      f"classes={s.num_classes} fletcher32=yes sha256={s.checksum[:16]}...", flush=True)
+        except (FileNotFoundError, DataFormatError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            bad += 1
+    if bad and len(files) > 1:
+        print(f"error: {bad} of {len(files)} cache files failed verification", file=sys.stderr)
+    return 2 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -77,11 +115,7 @@ def main(argv=None) -> int:
             for path in paths:
                 print(path)
         elif args.command == "verify":
-            for f in args.files:
-                s = open_h5_split(f, normalize=False, verify=True)
-                print(f"{f}: ok name={s.name} split={s.split} n={len(s)} x{s.x.shape} {s.x.dtype} "
-                      f"classes={s.num_classes} sha256={s.checksum[:16]}...")
-                s.close()
+            return _verify(args.files)
     except (FileNotFoundError, DataFormatError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,12 @@
 
 File layout (format version :data:`FORMAT_VERSION` = 1), one file per split,
 written by ``python -m data prepare NAME --out DIR`` as ``DIR/NAME-train.h5``
-and ``DIR/NAME-test.h5``:
+and ``DIR/NAME-test.h5``. Both datasets are chunked by whole rows (about
+:data:`data.h5format.CHUNK_BYTES` per chunk) with HDF5's Fletcher-32 checksum
+filter, which HDF5 verifies on every read: a corrupted chunk is an error naming
+the file and dataset, never silently wrong data. Caches written before the
+checksums (contiguous datasets, no filter) are refused with the command that
+rebuilds them.
 
 * dataset ``x``: raw inputs in the source dtype, unnormalized -- uint8
   ``(n, C, H, W)`` pixel values for image sets, float32 ``(n, 2)`` for peaks.
@@ -20,11 +25,10 @@ Writing goes to a temporary file in the destination folder
 both splits are complete; on any exception (including KeyboardInterrupt) the
 temporary files are deleted, so an interrupted run leaves nothing behind.
 
-Reading (:func:`data.h5reader.open_h5_split`) validates the attributes, the dataset shapes
-and the labels (``y`` is read whole, 8 bytes per sample), then closes the file;
-the ``x`` rows are read lazily, only those requested, by ``LazyRows``
-(plain h5py, or a read-only numpy memmap of the contiguous dataset located
-through h5py; no MPI-IO -- PyPI's h5py has no parallel HDF5, and each rank
+Reading (:func:`data.h5reader.open_h5_split`) validates the attributes, the checksum
+filters, the dataset shapes and the labels (``y`` is read whole, 8 bytes per sample), then
+closes the file; the ``x`` rows are read lazily, only the chunks holding requested rows, by
+``LazyRows`` through h5py (no MPI-IO -- PyPI's h5py has no parallel HDF5, and each rank
 reads only its own rows independently).  The file is
 reopened on first access in each process, so an :class:`data.h5reader.H5Split` can be
 pickled to worker processes.
@@ -32,8 +36,8 @@ pickled to worker processes.
 Errors: :class:`FileNotFoundError` for a missing file (says how to create it);
 :class:`~data.errors.DataFormatError` naming the file and the found/expected
 values for a non-HDF5 file, another ``format_version``, missing attributes or
-datasets, inconsistent shapes, labels out of range, or a checksum mismatch
-(``H5Split.verify_checksum``).  Reading lives in :mod:`data.h5reader`; the format
+datasets, datasets without the Fletcher-32 filter, inconsistent shapes, labels out of range,
+a Fletcher-32 mismatch on any read, or a SHA-256 mismatch (``H5Split.verify_checksum``).  Reading lives in :mod:`data.h5reader`; the format
 constants and the checksum shared by both in :mod:`data.h5format`.
 """
 
@@ -48,7 +52,7 @@ import h5py
 import numpy as np
 
 from .datasets import canonical_name, load_raw
-from .h5format import FORMAT_VERSION, REQUIRED_ATTRS, checksum
+from .h5format import FORMAT_VERSION, REQUIRED_ATTRS, checksum, chunk_shape
 from .split import Split, check_labels
 
 __all__ = ["FORMAT_VERSION", "REQUIRED_ATTRS", "checksum", "write_split_h5", "prepare"]
@@ -64,8 +68,9 @@ def _write_file(path: Path, split: Split, extra: dict) -> None:
     if "mean" not in norm or "std" not in norm:
         raise ValueError(f"{split.name}/{split.split}: split has no normalization statistics to store")
     with h5py.File(path, "w") as f:
-        f.create_dataset("x", data=x)
-        f.create_dataset("y", data=y)
+        for key, arr in (("x", x), ("y", y)):  # chunked + Fletcher-32: HDF5 verifies every read
+            f.create_dataset(key, data=arr, chunks=chunk_shape(arr.shape, arr.itemsize) if len(arr) else None,
+                             fletcher32=True)
         a = f.attrs
         a["format_version"] = np.int64(FORMAT_VERSION)
         a["name"] = split.name

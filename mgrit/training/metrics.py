@@ -24,14 +24,15 @@ __all__ = ["MetricsWriter", "write_metrics", "write_curves", "write_summary"]
 
 
 def write_metrics(run, hist: dict, config: dict) -> None:
-    """``run/metrics.h5`` atomically: ``hist[key]`` as float64 datasets (None -> NaN), the
+    """``run/metrics.h5`` atomically: ``hist[key]`` as float64 datasets (None -> NaN; HDF5
+    Fletcher-32 checksummed, :func:`~mgrit.training.report.create_checked`), the
     ``config`` as JSON attribute ``config`` plus its scalar entries as attributes."""
     run = Path(run)
     tmp = run / "metrics.h5.tmp"
     with h5py.File(tmp, "w") as f:
         for k, v in hist.items():
-            f.create_dataset(k, data=np.array([np.nan if x is None else x for x in v],
-                                              dtype=np.float64))
+            report.create_checked(f, k, np.array([np.nan if x is None else x for x in v],
+                                                 dtype=np.float64))
         f.attrs["config"] = json.dumps(config, default=str)
         for k, v in config.items():
             if isinstance(v, (int, float, str, bool)):

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["run_metadata", "results_dir", "save_series", "markdown_table", "write_table",
+__all__ = ["run_metadata", "results_dir", "create_checked", "save_series", "markdown_table", "write_table",
            "plot_lines", "add_study_flags"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,14 +75,26 @@ def results_dir(study: str, base: str | os.PathLike | None = None) -> Path:
     return d
 
 
+def create_checked(group: h5py.Group, name: str, data) -> h5py.Dataset:
+    """``group.create_dataset(name, data=data)`` with HDF5's Fletcher-32 checksum filter
+    (chunked): HDF5 verifies it on every read, so a corrupted file raises :class:`OSError`
+    ("filter returned failure during read") instead of returning wrong numbers. Scalars (0-d)
+    cannot be chunked in HDF5 and are stored unchecked."""
+    arr = np.asarray(data)
+    if arr.ndim == 0:
+        return group.create_dataset(name, data=arr)
+    return group.create_dataset(name, data=arr, fletcher32=True)
+
+
 def save_series(path: str | os.PathLike, series: Mapping[str, Sequence], meta: Mapping) -> None:
-    """Write each series as a float/int dataset of ``path`` (HDF5, atomically) with ``meta``
-    as attributes (non-scalar values JSON-encoded)."""
+    """Write each series as a float/int dataset of ``path`` (HDF5, atomically, Fletcher-32
+    checksummed by :func:`create_checked`) with ``meta`` as attributes (non-scalar values
+    JSON-encoded)."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with h5py.File(tmp, "w") as f:
         for k, v in series.items():
-            f.create_dataset(k, data=np.asarray(v))
+            create_checked(f, k, v)
         for k, v in meta.items():
             f.attrs[k] = v if isinstance(v, (int, float, str)) else json.dumps(v)
     os.replace(tmp, path)

@@ -61,7 +61,7 @@ def test_h5_read_back_exactly_and_normalized(digits_cache):
     assert np.array_equal(htr.load().x, ntr.x)
 
 
-@pytest.mark.parametrize("reader", ["auto", "h5py", "memmap"])
+@pytest.mark.parametrize("reader", ["auto", "h5py"])
 def test_lazy_reads_any_index_order(digits_cache, reader):
     s = open_h5_split(digits_cache / "digits-train.h5", normalize=False, verify=True, reader=reader)
     full = s.x[:]
@@ -101,18 +101,18 @@ def test_h5py_reader_reads_only_requested_rows(digits_cache):
     s.close()
 
 
-def test_chunked_compressed_cache_falls_back_to_h5py(digits_cache, tmp_path):
+def test_other_chunking_and_compression_read_the_same(digits_cache, tmp_path):
     def rechunk(f):
         x = f["x"][()]
         del f["x"]
-        f.create_dataset("x", data=x, chunks=(16, 1, 8, 8), compression="gzip")
+        f.create_dataset("x", data=x, chunks=(16, 1, 8, 8), compression="gzip", fletcher32=True)
     p = _mutate(digits_cache, tmp_path, rechunk)
     ref = open_h5_split(digits_cache / "digits-train.h5", normalize=False)
     s = open_h5_split(p, normalize=False, verify=True)
     idx = np.random.default_rng(1).permutation(len(s))[:50]
-    assert np.array_equal(s.x[idx], ref.x[idx]) and s._memmap() is None
-    with pytest.raises(ValueError, match=r"reader='memmap' needs a contiguous, uncompressed"):
-        open_h5_split(p, reader="memmap").x[0]
+    assert np.array_equal(s.x[idx], ref.x[idx])
+    with pytest.raises(ValueError, match=r"reader='memmap' is no longer offered: .*Fletcher-32"):
+        open_h5_split(p, reader="memmap")
 
 
 @pytest.mark.parametrize("R", [1, 2, 3, 4])
@@ -292,3 +292,88 @@ def test_cli_subprocess_does_not_import_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "digits" in r.stdout
+
+
+def _flip(path, dataset, chunk, nbytes=64):
+    """Invert ``nbytes`` bytes inside chunk ``chunk`` of ``dataset`` (located by HDF5 itself);
+    returns the chunk's rows ``(first, stop)``."""
+    with h5py.File(path, "r") as f:
+        ds = f[dataset]
+        info = ds.id.get_chunk_info(chunk)
+        rows = ds.chunks[0]
+    assert info.size >= nbytes + 16 and info.filter_mask == 0
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + 8)
+        raw = bytearray(fh.read(nbytes))
+        fh.seek(info.byte_offset + 8)
+        fh.write(bytes(b ^ 0xFF for b in raw))
+    first = info.chunk_offset[0]
+    return first, first + rows
+
+
+def test_corrupted_cache_is_an_error_naming_the_file(digits_cache, tmp_path, capsys):
+    """64 flipped bytes inside x's data: every read of that chunk (lazy rows, a training job's
+    data loading, verify) fails naming the file; intact chunks still read exactly."""
+    import torch
+
+    from mgrit.training.job import JobConfig, _load
+
+    for key in ("x", "y"):
+        with h5py.File(digits_cache / "digits-train.h5", "r") as f:
+            assert f[key].fletcher32 and f[key].chunks is not None
+    d = tmp_path / "c"
+    d.mkdir()
+    p = _copy(digits_cache / "digits-train.h5", d / "digits-train.h5")
+    _copy(digits_cache / "digits-test.h5", d / "digits-test.h5")
+    first, stop = _flip(p, "x", chunk=2)
+    ref = open_h5_split(digits_cache / "digits-train.h5", normalize=False).x[:]
+    msg = re.escape(str(p)) + r": cannot read HDF5 dataset 'x' .*Fletcher-32 checksum mismatch.*python -m data prepare digits"
+    for reader in ("auto", "h5py"):
+        s = open_h5_split(p, normalize=False, reader=reader)  # attributes and y are intact
+        ok = np.array([0, 5, stop + 1, len(s) - 1])
+        assert np.array_equal(s.x[ok], ref[ok]) and np.array_equal(s.x[first - 3:first], ref[first - 3:first])
+        for bad in (lambda: s.x[first + 1], lambda: s.x[np.array([3, first + 7, len(s) - 2])], lambda: s.x[:],
+                    lambda: s.verify_checksum()):
+            with pytest.raises(DataFormatError, match=msg):
+                bad()
+    tr, _ = load_dataset("hdf5", root=d)
+    sampler = GlobalBatchSampler(len(tr), 64, seed=0, rank=0, num_replicas=1)
+    with pytest.raises(DataFormatError, match=msg):
+        for idx in sampler:
+            tr.get_batch(idx)
+    with pytest.raises(DataFormatError, match=msg):  # the main job's data loading
+        _load(JobConfig(dataset="hdf5", data_root=str(d)), torch.float64)
+    assert main(["verify", str(d)]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{d / 'digits-test.h5'}: ok name=digits split=test") and "fletcher32=yes" in out
+    assert err.startswith(f"error: {p}: cannot read HDF5 dataset 'x'")
+    q = _copy(digits_cache / "digits-test.h5", tmp_path / "digits-test.h5")
+    _flip(q, "y", chunk=0)
+    with pytest.raises(DataFormatError, match=re.escape(str(q)) + r": cannot read HDF5 dataset 'y' .*Fletcher-32"):
+        open_h5_split(q)
+
+
+def test_cache_without_checksums_is_refused_with_the_rebuild_command(digits_cache, tmp_path):
+    def old_layout(f):  # what layerpar wrote before the checksums: contiguous, no filter
+        for key in ("x", "y"):
+            v = f[key][()]
+            del f[key]
+            f.create_dataset(key, data=v)
+    p = _mutate(digits_cache, tmp_path, old_layout)
+    _copy(digits_cache / "digits-test.h5", tmp_path / "digits-test.h5")
+    msg = (re.escape(str(p)) + r": dataset\(s\) 'x', 'y' carry no HDF5 Fletcher-32 checksum; .*older layerpar .*"
+           + re.escape(f"rebuild it with `python -m data prepare digits --out {tmp_path}`"))
+    with pytest.raises(DataFormatError, match=msg):
+        open_h5_split(p)
+    with pytest.raises(DataFormatError, match=msg):
+        load_dataset("hdf5", root=tmp_path)
+    assert main(["verify", str(tmp_path)]) == 2
+
+
+def test_verify_a_folder_reports_every_file(digits_cache, tmp_path, capsys):
+    assert main(["verify", str(digits_cache)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ok ")[0] for line in lines] == [str(digits_cache / f"digits-{s}.h5") for s in ("test", "train")]
+    assert main(["verify", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: folder {tmp_path} holds no *.h5 cache files; create them with "
+                                       f"`python -m data prepare NAME --out {tmp_path}`\n")
