@@ -1,6 +1,6 @@
 """Run several example scripts in one MPI job (``tests/test_examples.py``): every rank runs
 ``examples/NAME.py ARGS...`` as ``__main__`` (``runpy``), one after another, with its stdout
-captured to ``OUT/NAME.rank-R.txt`` and its time to ``OUT/NAME.rank-R.time``. Starting torch
+captured to ``OUT/I-NAME.rank-R.txt`` (``I``: its position on the command line). Starting torch
 on every rank costs seconds, so one launch serves all the examples. An exception propagates:
 ``python -m mpi4py`` then aborts the whole job.
 
@@ -22,7 +22,7 @@ from mpi4py import MPI  # noqa: E402
 
 def main(out: str, specs: list) -> None:
     rank = MPI.COMM_WORLD.Get_rank()
-    for spec in specs:
+    for i, spec in enumerate(specs):
         name, _, args = spec.partition(":")
         path = os.path.join(ROOT, "examples", name + ".py")
         dtype, argv = torch.get_default_dtype(), sys.argv
@@ -35,10 +35,10 @@ def main(out: str, specs: list) -> None:
         finally:  # what one example sets must not leak into the next
             sys.argv = argv
             torch.set_default_dtype(dtype)
-            with open(os.path.join(out, f"{name}.rank-{rank}.txt"), "w") as fh:
+            with open(os.path.join(out, f"{i}-{name}.rank-{rank}.txt"), "w") as fh:
                 fh.write(buf.getvalue())
-        with open(os.path.join(out, f"{name}.rank-{rank}.time"), "w") as fh:
-            fh.write(f"{time.perf_counter() - t:.3f}\n")
+        if rank == 0:  # on stderr: how long each example took (the test prints it with -s)
+            print(f"{name} {args}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
         MPI.COMM_WORLD.Barrier()
 
 
