@@ -57,7 +57,6 @@ def test_fingerprint_sees_each_change():
         lambda: lp.steps.__setitem__(3, DenseStep(3)),
         lambda: setattr(lp.steps[0], "act", torch.nn.ReLU()),
         lambda: lp.steps[0].linear.eval(),
-        lambda: lp.steps[1].double(),
     ]
     for change in changes:
         change()
@@ -69,3 +68,14 @@ def test_fingerprint_sees_each_change():
     h.remove()
     assert not fp.hooked()
     assert isinstance(fp, Fingerprint)
+
+
+def test_snapshot_sees_a_changed_dtype():
+    """One layer's ``.double()`` after build (identity kept, dtype changed): the next snapshot
+    notices (torch.stack would promote) and the chain is proved again: per layer, like serial."""
+    lp = LayerParallelResNet.build(lambda k: DenseStep(3), 4, (3,))
+    assert lp._chain.refresh() and lp.batching_obstacle is None
+    lp.steps[1].double()
+    assert lp._fingerprint.same()  # not a fingerprint fact: the snapshot checks it
+    assert lp._chain.refresh() == {}
+    assert "dtypes" in lp.batching_obstacle

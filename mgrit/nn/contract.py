@@ -38,10 +38,13 @@ The fingerprint (:class:`Fingerprint`, cost measured in
 ``_modules``, ``_parameters`` and ``_buffers`` dict in the steps' module trees and their total
 count (a parameter replaced with ``step.linear.weight = nn.Parameter(...)`` or
 ``load_state_dict(sd, assign=True)``, a submodule or step swapped, a parameter or buffer
-added); the set of dtypes and devices of those tensors (``.to()`` on one step); the
-``training`` flag of every module (a pattern that is the same at every layer keeps the batching
+added); the ``training`` flag of every module (a pattern that is the same at every layer keeps the batching
 proof valid and only updates the record); whether any module hook dict is non-empty, and the
-global module hooks; autocast (per call). ``requires_grad`` needs no record: the snapshot is
+global module hooks; autocast (per call). dtypes and devices are not read per tensor (an attribute of a
+``Parameter`` costs microseconds): the stacked snapshot compares the dtype and device of each
+stacked name with the template's at every forward (``torch.stack`` promotes mixed dtypes), and a
+mismatch rebuilds the chain (:meth:`mgrit.nn.stacking.Stacked.refresh`); per-layer module calls
+use the tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is
 stacked with autograd at every forward, so a frozen or unfrozen parameter is seen by the next
 forward; grad mode is read at every call by the kernels that depend on it.
 
@@ -63,8 +66,6 @@ __all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "glob
 #: per-module hook dicts that change what calling a module does (torch's own names)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _TRAINING = operator.itemgetter("training")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 _KERNEL_OK: dict = {}  # (class, name) -> bool
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -150,8 +151,6 @@ class Fingerprint:
         self._owners = [d for d in dicts for _ in d]
         self._keys = [k for d in dicts for k in d]
         self._values = list(map(operator.getitem, self._owners, self._keys))
-        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
-        self._meta = self._tensor_meta()
         self._hooks = [getattr(m, h) for m in mods for h in MODULE_HOOKS]
         # (a torch.compile wrapper has no own flag: it reads its module's, recorded anyway)
         self._mdicts = [vars(m) for m in mods if "training" in vars(m)]
@@ -160,9 +159,6 @@ class Fingerprint:
         per = [sum(1 for _ in s.modules()) for s in self.root.children()]
         self._period = per[0] if per and len(set(per)) == 1 and 1 + sum(per) == len(mods) else 0
         self.epoch += 1
-
-    def _tensor_meta(self):
-        return set(map(_DTYPE, self._tensors)), set(map(_DEVICE, self._tensors))
 
     def same(self) -> bool:
         """Whether the recorded facts still hold (a ``training`` pattern that changed but is
@@ -182,7 +178,7 @@ class Fingerprint:
             if not n or body != body[:n] * (len(body) // n):
                 return False
             self._training = training
-        return self._tensor_meta() == self._meta
+        return True
 
     def hooked(self) -> bool:
         """Whether a module hook is registered on any module under ``root`` or globally."""
