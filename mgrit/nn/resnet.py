@@ -161,7 +161,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self.last_forward = self.last_backward = None
         self._forward_count = 0  # numbers the forwards (the same on every rank: collective)
         self._token = torch.zeros(0, device=self.device, requires_grad=True)  # MGRITFunction
-        self._fingerprint = Fingerprint(self.steps)  # checked on every forward (contract.py)
+        # checked on every forward (contract.py)
+        self._fingerprint = Fingerprint(self.steps, training=self._reads_training())
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
 
     @classmethod
@@ -247,7 +248,13 @@ class LayerParallelResNet(SolverControls, nn.Module):
         chain (batching proof, stacked tensors) and the fingerprint. Local (no message)."""
         self._collect_parameters()
         self._chain.rebuild(self.steps)
-        self._fingerprint.take()
+        self._fingerprint.take(training=self._reads_training())
+
+    def _reads_training(self) -> bool:
+        """Whether the fast path in use applies one module's ``training`` flags to other
+        layers (the batched ``vmap`` path calls the template's modules)."""
+        stack = self._chain._stack
+        return stack is not None and not stack._native
 
     def _check_contract(self) -> None:
         """The per-call check of :mod:`mgrit.nn.contract`: rebuild the fast paths when the

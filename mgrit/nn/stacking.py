@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .contract import global_hooks_registered, kernel
+from .contract import global_hooks_registered, kernel, quiet
 
 __all__ = ["batching_obstacle", "Stacked", "StaleStack"]
 
@@ -218,4 +218,5 @@ class Stacked:
         ``functional_call``."""
         if self._native:
             return self.template.forward_batched(p, x)
-        return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
+        with quiet():  # functional_call's swaps of the template's tensors are not changes
+            return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
