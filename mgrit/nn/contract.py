@@ -33,20 +33,25 @@ The fast paths and their contracts:
   the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
   in serial) and autocast has serial semantics, also in the backward.
 
-The fingerprint (:class:`Fingerprint`, cost measured in
-``experiments/results/fingerprint_overhead.md``): the identity of every entry of every
-``_modules``, ``_parameters`` and ``_buffers`` dict in the steps' module trees and their total
-count (a parameter replaced with ``step.linear.weight = nn.Parameter(...)`` or
-``load_state_dict(sd, assign=True)``, a submodule or step swapped, a parameter or buffer
-added); the ``training`` flag of every module (a pattern that is the same at every layer keeps the batching
-proof valid and only updates the record); whether any module hook dict is non-empty, and the
-global module hooks; autocast (per call). dtypes and devices are not read per tensor (an attribute of a
-``Parameter`` costs microseconds): the stacked snapshot compares the dtype and device of each
-stacked name with the template's at every forward (``torch.stack`` promotes mixed dtypes), and a
-mismatch rebuilds the chain (:meth:`mgrit.nn.stacking.Stacked.refresh`); per-layer module calls
-use the tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is
-stacked with autograd at every forward, so a frozen or unfrozen parameter is seen by the next
-forward; grad mode is read at every call by the kernels that depend on it.
+The fingerprint (:class:`Fingerprint`; cost in ``experiments/results/fingerprint_overhead.md``):
+the identity of every entry of every ``_modules``, ``_parameters`` and ``_buffers`` dict in the
+steps' module trees and their total count (a parameter replaced with ``step.linear.weight =
+nn.Parameter(...)`` or ``load_state_dict(sd, assign=True)``, a submodule or step swapped, a
+parameter or buffer added); whether any module hook dict is non-empty, and the global module
+hooks; the ``training`` flags where the path in use applies one module's flags to other layers
+(the ``vmap`` path; a pattern that is the same at every layer keeps the proof valid); autocast.
+To keep the check O(1) in the depth, the dicts of the recorded modules are replaced by
+``dict`` / ``OrderedDict`` subclasses with the same contents whose *writes* (never their reads)
+count in one global counter; a forward compares that counter with the one it last saw and
+compares identities entry by entry only when it moved. Copies and pickles of the modules get
+plain dicts. dtypes and devices are not read per tensor (an attribute of a ``Parameter`` costs
+microseconds): the stacked snapshot compares the dtype and device of each stacked name with the
+template's at every forward (``torch.stack`` would promote a changed layer), and a mismatch
+rebuilds the chain (:meth:`mgrit.nn.stacking.Stacked.refresh`); per-layer module calls use the
+tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is stacked
+with autograd at every forward, so a frozen or unfrozen parameter is seen by the next forward;
+grad mode is read at every call by the kernels that depend on it. Native kernels do not read
+``training`` (their ``kernel_obstacle`` admits only modules whose forward ignores it).
 
 Not covered (compared by the batching proof when the chain is rebuilt, i.e. after any change
 above or :meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure`): plain Python

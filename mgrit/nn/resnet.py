@@ -19,6 +19,18 @@ forward records the rank's layers in autograd as serial PyTorch does, pipelined 
 ranks (:mod:`mgrit.nn.pipelined`; same autograd semantics, bitwise serial autograd on one
 rank). With a batched chain the node's parameter inputs are the stacked parameters
 (``torch.stack`` with autograd): no Python work per parameter tensor in the bridge.
+
+The step modules stay ordinary modules after build. Every forward (and every MGRIT backward)
+checks the fingerprint of :mod:`mgrit.nn.contract` and rebuilds the fast paths when the modules
+changed (parameters replaced, submodules swapped, ...), so a user never has to announce a
+change. Module hooks on the steps (or global module hooks) and ``torch.autocast`` make the
+forward take the serial pipeline of the one-level path whatever the options (a
+``UserWarning`` says so): hooks then fire once per layer on the serial states, their returned
+values used as in serial, and autocast has serial semantics in the backward too -- MGRIT would
+run each layer many times on intermediate iterates and its adjoint outside autocast. The
+decision is agreed by every rank (one small ``allgather`` per forward when ``P > 1`` and the
+solve has several levels). State-dict keys do not depend on ``torch.compile`` of steps
+(:mod:`mgrit.nn.compiled`).
 """
 from __future__ import annotations
 
