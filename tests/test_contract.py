@@ -56,8 +56,6 @@ def test_fingerprint_sees_each_change():
         lambda: lp.steps[2].register_buffer("extra", torch.zeros(1)),
         lambda: lp.steps.__setitem__(3, DenseStep(3)),
         lambda: setattr(lp.steps[0], "act", torch.nn.ReLU()),
-        lambda: lp.steps[0].linear.eval(),
-        lambda: lp.steps[1].double(),
     ]
     for change in changes:
         change()
@@ -69,3 +67,38 @@ def test_fingerprint_sees_each_change():
     h.remove()
     assert not fp.hooked()
     assert isinstance(fp, Fingerprint)
+
+
+@pytest.mark.parametrize("maker", [lambda k: DenseStep(3), lambda k: C.UserStep(3)])
+def test_training_loop_needs_no_rescan(maker):
+    """Forwards, backwards, optimizer steps and functional_call (the batched vmap path of a
+    user step) write no watched dict: the per-call check stays O(1) (no rescan); a user
+    step's batched path (template's flags for every layer) also compares training flags."""
+    from mgrit.nn import contract
+    lp = LayerParallelResNet.build(maker, 8, (3,), forward=C.EXACT, backward=C.EXACT)
+    opt = torch.optim.SGD(lp.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 3)
+    lp(x).sum().backward()
+    opt.step()
+    seen = lp._fingerprint._seen
+    for _ in range(2):
+        opt.zero_grad()
+        lp(x).sum().backward()
+        opt.step()
+    assert contract._EPOCH[0] == seen == lp._fingerprint._seen
+    native = isinstance(lp.steps[0], DenseStep)
+    assert lp._chain._stack._native == native
+    sub = lp.steps[0].linear if native else lp.steps[0].lin
+    sub.eval()
+    assert lp._fingerprint.same() == native  # the vmap path applies the template's flags
+
+
+def test_snapshot_sees_a_changed_dtype():
+    """One layer's ``.double()`` after build (identity kept, dtype changed): the next snapshot
+    notices (torch.stack would promote) and the chain is proved again: per layer, like serial."""
+    lp = LayerParallelResNet.build(lambda k: DenseStep(3), 4, (3,))
+    assert lp._chain.refresh() and lp.batching_obstacle is None
+    lp.steps[1].double()
+    assert lp._fingerprint.same()  # not a fingerprint fact: the snapshot checks it
+    assert lp._chain.refresh() == {}
+    assert "dtypes" in lp.batching_obstacle

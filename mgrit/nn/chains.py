@@ -50,7 +50,7 @@ from torch import nn
 
 from ..propagator import Propagator
 from .contract import global_hooks_registered, kernel
-from .stacking import Stacked
+from .stacking import Stacked, StaleStack
 
 __all__ = ["ForwardChain", "AdjointChain"]
 
@@ -103,7 +103,11 @@ class ForwardChain(Propagator):
         self._hooked = global_hooks_registered()  # registered after build: evaluate per layer
         if self._stack is None or self._hooked:
             return {}
-        return self._stack.refresh(grad)
+        try:
+            return self._stack.refresh(grad)
+        except StaleStack:  # a dtype or device changed since the proof: prove again
+            self.rebuild()
+            return {} if self._stack is None else self._stack.refresh(grad)
 
     @property
     def batched(self) -> bool:

@@ -33,17 +33,25 @@ The fast paths and their contracts:
   the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
   in serial) and autocast has serial semantics, also in the backward.
 
-The fingerprint (:class:`Fingerprint`, cost measured in
-``experiments/results/fingerprint_overhead.md``): the identity of every entry of every
-``_modules``, ``_parameters`` and ``_buffers`` dict in the steps' module trees and their total
-count (a parameter replaced with ``step.linear.weight = nn.Parameter(...)`` or
-``load_state_dict(sd, assign=True)``, a submodule or step swapped, a parameter or buffer
-added); the set of dtypes and devices of those tensors (``.to()`` on one step); the
-``training`` flag of every module (a pattern that is the same at every layer keeps the batching
-proof valid and only updates the record); whether any module hook dict is non-empty, and the
-global module hooks; autocast (per call). ``requires_grad`` needs no record: the snapshot is
-stacked with autograd at every forward, so a frozen or unfrozen parameter is seen by the next
-forward; grad mode is read at every call by the kernels that depend on it.
+The fingerprint (:class:`Fingerprint`; cost in ``experiments/results/fingerprint_overhead.md``):
+the identity of every entry of every ``_modules``, ``_parameters`` and ``_buffers`` dict in the
+steps' module trees and their total count (a parameter replaced with ``step.linear.weight =
+nn.Parameter(...)`` or ``load_state_dict(sd, assign=True)``, a submodule or step swapped, a
+parameter or buffer added); whether any module hook dict is non-empty, and the global module
+hooks; the ``training`` flags where the path in use applies one module's flags to other layers
+(the ``vmap`` path; a pattern that is the same at every layer keeps the proof valid); autocast.
+To keep the check O(1) in the depth, the dicts of the recorded modules are replaced by
+``dict`` / ``OrderedDict`` subclasses with the same contents whose *writes* (never their reads)
+count in one global counter; a forward compares that counter with the one it last saw and
+compares identities entry by entry only when it moved. Copies and pickles of the modules get
+plain dicts. dtypes and devices are not read per tensor (an attribute of a ``Parameter`` costs
+microseconds): the stacked snapshot compares the dtype and device of each stacked name with the
+template's at every forward (``torch.stack`` would promote a changed layer), and a mismatch
+rebuilds the chain (:meth:`mgrit.nn.stacking.Stacked.refresh`); per-layer module calls use the
+tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is stacked
+with autograd at every forward, so a frozen or unfrozen parameter is seen by the next forward;
+grad mode is read at every call by the kernels that depend on it. Native kernels do not read
+``training`` (their ``kernel_obstacle`` admits only modules whose forward ignores it).
 
 Not covered (compared by the batching proof when the chain is rebuilt, i.e. after any change
 above or :meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure`): plain Python
@@ -53,18 +61,18 @@ would cost Python work per attribute; per-layer state that changes belongs in a 
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "global_hooks_registered"]
+__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "global_hooks_registered",
+           "quiet"]
 
 #: per-module hook dicts that change what calling a module does (torch's own names)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _TRAINING = operator.itemgetter("training")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 _KERNEL_OK: dict = {}  # (class, name) -> bool
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -127,46 +135,147 @@ def autocast_enabled(device: torch.device) -> bool:
         device.type != "cpu" and torch.is_autocast_enabled("cpu"))
 
 
+class _Watched(dict):
+    """A module's ``_parameters`` / ``_buffers`` / ``_modules`` dict that counts its changes in
+    :data:`_EPOCH` (reads are the plain ``dict``'s; only writes run Python)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        _bump()
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        _bump()
+        dict.__delitem__(self, key)
+
+    def _changed(name):  # noqa: N805 - wraps dict's other mutating methods
+        method = getattr(dict, name)
+
+        def changed(self, *args, **kwargs):
+            _bump()
+            return method(self, *args, **kwargs)
+        changed.__name__ = name
+        return changed
+
+    pop = _changed("pop")
+    popitem = _changed("popitem")
+    clear = _changed("clear")
+    update = _changed("update")
+    setdefault = _changed("setdefault")
+    __ior__ = _changed("__ior__")
+    del _changed
+
+    def __reduce_ex__(self, protocol):  # copies and pickles are plain dicts
+        return dict, (dict(self),)
+
+
+class _WatchedHooks(OrderedDict):
+    """A module's hook dict (``_forward_hooks`` ...) that counts its changes in :data:`_EPOCH`
+    (registration writes, ``handle.remove()`` deletes)."""
+
+    def __setitem__(self, key, value):
+        _bump()
+        OrderedDict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        _bump()
+        OrderedDict.__delitem__(self, key)
+
+    def pop(self, *args):
+        _bump()
+        return OrderedDict.pop(self, *args)
+
+    def clear(self):
+        _bump()
+        OrderedDict.clear(self)
+
+    def __reduce_ex__(self, protocol):
+        return OrderedDict, (list(self.items()),)
+
+
+#: changes of any watched dict (every Fingerprint's modules); a Fingerprint rescans its
+#: modules only when this moved since its last look. ``_QUIET``: > 0 while this package swaps
+#: tensors in and out on purpose (``functional_call`` of the batched path): not a change.
+_EPOCH = [0]
+_QUIET = [0]
+
+
+def _bump():
+    if not _QUIET[0]:
+        _EPOCH[0] += 1
+
+
+class quiet:
+    """Context: dict writes inside are this package's own temporary swaps (``functional_call``
+    restores every tensor it replaces), not changes of the modules."""
+
+    def __enter__(self):
+        _QUIET[0] += 1
+
+    def __exit__(self, *exc):
+        _QUIET[0] -= 1
+
+
+def _watch(m: nn.Module) -> None:
+    """Give ``m`` watched dicts (the same contents); a hook dict that is not empty stays as it
+    is (handles of hooks registered before hold it), and is then scanned on every call."""
+    d = m.__dict__
+    for name in ("_parameters", "_buffers", "_modules"):
+        if type(d.get(name)) is dict:
+            d[name] = _Watched(d[name])
+    for name in MODULE_HOOKS:
+        h = d.get(name)
+        if type(h) is OrderedDict and not h:
+            d[name] = _WatchedHooks()
+
+
 class Fingerprint:
     """The facts of the module docstring for the module trees under ``root`` (the
     ``nn.ModuleList`` of a rank's steps), recorded by :meth:`take` and compared by
-    :meth:`same` (structure, dtypes, devices, aligned ``training`` patterns) and
-    :meth:`hooked`. ``epoch`` counts the records (a forward's node keeps the epoch it ran with).
+    :meth:`same` and :meth:`hooked`. ``epoch`` counts the records (a forward's node keeps the
+    epoch it ran with).
 
-    Cost per call: a few C-level passes over flat lists, linear in the number of modules and
-    tensors (no Python loop per layer)."""
+    Cost per call, O(1) in the number of layers: :meth:`take` gives every module of the trees
+    watched ``_parameters`` / ``_buffers`` / ``_modules`` and hook dicts, whose writes count in
+    a global counter; :meth:`same` compares that counter with the one it last saw, and only when
+    it moved (a write anywhere) compares every entry's identity and count with the record (a
+    few C-level passes over flat lists). ``training`` flags are plain attributes: with
+    ``training=True`` (the batched path calls the template's modules, whose flags then apply to
+    every layer) their pattern is compared on every call, one pass over the modules; the native
+    kernels and per-layer calls do not depend on another module's flags."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, training: bool = True):
         self.root = root
         self.epoch = 0
-        self.take()
+        self.take(training)
 
-    def take(self) -> None:
-        """Record the current facts (after the fast paths were rebuilt from them)."""
+    def take(self, training: bool = True) -> None:
+        """Record the current facts (after the fast paths were rebuilt from them);
+        ``training``: whether the fast paths depend on the ``training`` pattern."""
         mods = list(self.root.modules())
+        for m in mods:
+            _watch(m)
         dicts = [d for m in mods for d in (m._modules, m._parameters, m._buffers)]
         self._dicts = dicts
         self._total = sum(map(len, dicts))
         self._owners = [d for d in dicts for _ in d]
         self._keys = [k for d in dicts for k in d]
         self._values = list(map(operator.getitem, self._owners, self._keys))
-        self._tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
-        self._meta = self._tensor_meta()
         self._hooks = [getattr(m, h) for m in mods for h in MODULE_HOOKS]
+        self._unwatched = [h for h in self._hooks if type(h) is not _WatchedHooks]
+        self._hooked = any(self._hooks)
         # (a torch.compile wrapper has no own flag: it reads its module's, recorded anyway)
-        self._mdicts = [vars(m) for m in mods if "training" in vars(m)]
+        self._mdicts = [vars(m) for m in mods if "training" in vars(m)] if training else []
         self._training = bytes(map(_TRAINING, self._mdicts))
         # modules per step when every step has the same tree (training patterns repeat)
         per = [sum(1 for _ in s.modules()) for s in self.root.children()]
         self._period = per[0] if per and len(set(per)) == 1 and 1 + sum(per) == len(mods) else 0
+        self._seen = _EPOCH[0]
         self.epoch += 1
 
-    def _tensor_meta(self):
-        return set(map(_DTYPE, self._tensors)), set(map(_DEVICE, self._tensors))
-
-    def same(self) -> bool:
-        """Whether the recorded facts still hold (a ``training`` pattern that changed but is
-        the same at every layer is accepted and recorded: the batching proof still holds)."""
+    def _scan(self) -> bool:
+        """The full comparison of the structure with the record (after a watched write)."""
         if sum(map(len, self._dicts)) != self._total:
             return False
         try:
@@ -175,15 +284,28 @@ class Fingerprint:
                 return False
         except KeyError:
             return False
-        training = bytes(map(_TRAINING, self._mdicts))
-        if training != self._training:
-            n = self._period
-            body = training[1:]
-            if not n or body != body[:n] * (len(body) // n):
-                return False
-            self._training = training
-        return self._tensor_meta() == self._meta
+        self._hooked = any(self._hooks)
+        self._seen = _EPOCH[0]
+        return True
+
+    def same(self) -> bool:
+        """Whether the recorded facts still hold (a ``training`` pattern that changed but is
+        the same at every layer is accepted and recorded: the batching proof still holds)."""
+        if _EPOCH[0] != self._seen and not self._scan():
+            return False
+        if self._mdicts:
+            training = bytes(map(_TRAINING, self._mdicts))
+            if training != self._training:
+                n = self._period
+                body = training[1:]
+                if not n or body != body[:n] * (len(body) // n):
+                    return False
+                self._training = training
+        return True
 
     def hooked(self) -> bool:
         """Whether a module hook is registered on any module under ``root`` or globally."""
-        return any(self._hooks) or global_hooks_registered()
+        if _EPOCH[0] != self._seen and not self._scan():  # the structure changed too
+            self._hooked = any(self._hooks)
+        return (self._hooked or (bool(self._unwatched) and any(self._unwatched))
+                or global_hooks_registered())

@@ -19,6 +19,18 @@ forward records the rank's layers in autograd as serial PyTorch does, pipelined 
 ranks (:mod:`mgrit.nn.pipelined`; same autograd semantics, bitwise serial autograd on one
 rank). With a batched chain the node's parameter inputs are the stacked parameters
 (``torch.stack`` with autograd): no Python work per parameter tensor in the bridge.
+
+The step modules stay ordinary modules after build. Every forward (and every MGRIT backward)
+checks the fingerprint of :mod:`mgrit.nn.contract` and rebuilds the fast paths when the modules
+changed (parameters replaced, submodules swapped, ...), so a user never has to announce a
+change. Module hooks on the steps (or global module hooks) and ``torch.autocast`` make the
+forward take the serial pipeline of the one-level path whatever the options (a
+``UserWarning`` says so): hooks then fire once per layer on the serial states, their returned
+values used as in serial, and autocast has serial semantics in the backward too -- MGRIT would
+run each layer many times on intermediate iterates and its adjoint outside autocast. The
+decision is agreed by every rank (one small ``allgather`` per forward when ``P > 1`` and the
+solve has several levels). State-dict keys do not depend on ``torch.compile`` of steps
+(:mod:`mgrit.nn.compiled`).
 """
 from __future__ import annotations
 
@@ -161,7 +173,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self.last_forward = self.last_backward = None
         self._forward_count = 0  # numbers the forwards (the same on every rank: collective)
         self._token = torch.zeros(0, device=self.device, requires_grad=True)  # MGRITFunction
-        self._fingerprint = Fingerprint(self.steps)  # checked on every forward (contract.py)
+        # checked on every forward (contract.py)
+        self._fingerprint = Fingerprint(self.steps, training=self._reads_training())
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
 
     @classmethod
@@ -247,7 +260,13 @@ class LayerParallelResNet(SolverControls, nn.Module):
         chain (batching proof, stacked tensors) and the fingerprint. Local (no message)."""
         self._collect_parameters()
         self._chain.rebuild(self.steps)
-        self._fingerprint.take()
+        self._fingerprint.take(training=self._reads_training())
+
+    def _reads_training(self) -> bool:
+        """Whether the fast path in use applies one module's ``training`` flags to other
+        layers (the batched ``vmap`` path calls the template's modules)."""
+        stack = self._chain._stack
+        return stack is not None and not stack._native
 
     def _check_contract(self) -> None:
         """The per-call check of :mod:`mgrit.nn.contract`: rebuild the fast paths when the

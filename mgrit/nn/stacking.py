@@ -45,9 +45,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .contract import global_hooks_registered, kernel
+from .contract import global_hooks_registered, kernel, quiet
 
-__all__ = ["batching_obstacle", "Stacked"]
+__all__ = ["batching_obstacle", "Stacked", "StaleStack"]
 
 #: torch's own bookkeeping of every module (not user state)
 _TORCH_ATTRS = frozenset(vars(nn.Module()))
@@ -133,6 +133,11 @@ def batching_obstacle(steps: Sequence[nn.Module]) -> str | None:
     return None
 
 
+class StaleStack(RuntimeError):
+    """:meth:`Stacked.refresh` found a stacked tensor of another dtype or device than when the
+    stack was built: the owner rebuilds it (:meth:`mgrit.nn.chains.ForwardChain.refresh`)."""
+
+
 class Stacked:
     """Parameters and buffers of structurally identical modules (proven by
     :func:`batching_obstacle`), stacked along a new dim 0, and their batched application.
@@ -158,6 +163,11 @@ class Stacked:
             self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
             self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
         self.tensors = {}
+        # dtype and device of every stacked name (the contract of the snapshot, checked at
+        # every refresh in O(names): torch.stack would promote a layer's changed dtype)
+        self._meta = [(t.dtype, t.device) for t in
+                      [steps[0].get_parameter(n) for n in self.names]
+                      + [steps[0].get_buffer(n) for n in self.bnames]]
         # native kernels only where the contract allows them (mgrit.nn.contract.kernel)
         self._native = kernel(self.template, "forward_batched") is not None
         self._extras = kernel(self.template, "stack_extras") if self._native else None
@@ -185,6 +195,9 @@ class Stacked:
             tensors = {n: torch.stack(self._lists[n]) for n in self.names}
         with torch.no_grad():
             tensors.update((n, torch.stack(self._lists[n])) for n in self.bnames)
+            if any(t.dtype != dt or t.device != dev for t, (dt, dev) in zip(tensors.values(),
+                                                                              self._meta)):
+                raise StaleStack("a layer's parameter or buffer changed dtype or device")
             extras = self._extras
             if extras is not None:  # derived constants of the module's batched kernel
                 tensors.update(extras({n: t.detach() for n, t in tensors.items()}))
@@ -205,4 +218,5 @@ class Stacked:
         ``functional_call``."""
         if self._native:
             return self.template.forward_batched(p, x)
-        return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
+        with quiet():  # functional_call's swaps of the template's tensors are not changes
+            return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)

@@ -3,6 +3,12 @@
 Every step maps a state to a state of the same shape; any user ``nn.Module`` with that property
 works. Shapes: dense states ``(batch, width)``; convolutional states ``(batch, C, H, W)``.
 dtype follows the module's parameters (float64 for exact tests, float32 for training).
+
+Fast paths (contract in :mod:`mgrit.nn.contract`): the native kernels here (``forward_batched``,
+``forward_layer``, ``vjp_batched``, ``linearize_batched``, ``stack_extras``) run only for a
+module whose class is the one that defines both them and ``forward`` (a subclass that overrides
+``forward`` gets the general path) and whose ``kernel_obstacle()`` is ``None`` (the submodules
+are exactly the ones the kernels re-implement).
 """
 from __future__ import annotations
 

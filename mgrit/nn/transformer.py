@@ -10,7 +10,11 @@ so a stack of blocks is the chain ``x_{k+1} = x_k + h F_k(x_k)`` that
 :class:`~mgrit.nn.resnet.LayerParallelResNet` solves with MGRIT. ``h = 1`` is exactly a standard
 pre-LN block ``y = x + a; out = y + MLP(LN2(y))`` with ``a = Attn(LN1(x))``.
 :class:`TransformerStep` is ``F``; its :meth:`~TransformerStep.forward_batched` applies ``B``
-layers at once for the solver's concurrent relaxation (``mgrit.nn.chains``).
+layers at once for the solver's concurrent relaxation (``mgrit.nn.chains``). Contract of that
+kernel (:mod:`mgrit.nn.contract`): it runs only for ``TransformerStep`` itself or a subclass
+that does not override ``forward``, with the submodules :meth:`~TransformerStep.kernel_obstacle`
+names; otherwise the layers are batched by ``vmap`` of their own ``forward`` (or called one by
+one).
 """
 from __future__ import annotations
 
