@@ -21,7 +21,8 @@ Contract (checked by :func:`batching_obstacle`, once, when a chain is built or
 * no forward / backward / pre hooks on any submodule, and no global module hooks (global
   hooks registered later are also noticed at every forward: the layers are then evaluated one
   by one while they are registered);
-* no submodule class sets ``batchable = False`` (the documented opt-out).
+* no submodule class sets ``batchable = False`` (the documented opt-out), and no BatchNorm
+  (:mod:`mgrit.nn.batchnorm` replaces its forward during solves).
 
 Otherwise the layers are evaluated one by one: slower, never different. Per-layer state that
 should stay batched belongs in a buffer (``register_buffer``): buffers are stacked per layer.
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.modules import module as _torch_module
+from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["batching_obstacle", "Stacked"]
 
@@ -87,6 +89,8 @@ def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
         return f"{where}: {type(b).__name__} vs {type(a).__name__}"
     if getattr(b, "batchable", True) is False:
         return f"{where}: {type(b).__name__}.batchable is False"
+    if isinstance(b, _BatchNorm):  # statistics of each layer's own batch (mgrit.nn.batchnorm)
+        return f"{where}: {type(b).__name__} is evaluated layer by layer"
     for m in (a, b):
         hooks = [h for h in _CALL_HOOKS if getattr(m, h, None)]
         if hooks:
