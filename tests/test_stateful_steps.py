@@ -28,6 +28,9 @@ for kind in ("dense", "conv", "dropout", "vit"):
 for kind in ("dense", "conv"):
     BATCH.add(4, f"train-{kind}-P4", f"{C}:check_train_exact", kind=kind)
     BATCH.add(4, f"dp-{kind}", f"{C}:check_dp_batchnorm", kind=kind)
+# the one-level path (layer-wise model parallelism in autograd)
+BATCH.add(4, "train-conv-L1-P1+P3", f"{C}:check_train_exact", kind="conv", sizes=[1, 3], levels=1)
+BATCH.add(4, "dp-dense-L1", f"{C}:check_dp_batchnorm", kind="dense", levels=1)
 BATCH.add(4, "dropout-semantics", f"{C}:check_dropout_semantics")
 BATCH.add(4, "errors", f"{C}:check_errors")
 

@@ -56,7 +56,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.parameter import is_lazy
 
-__all__ = ["batch_norms", "batchnorm_error", "frozen_statistics", "update_running_statistics",
+__all__ = ["batch_norms", "batchnorm_error", "checked_buffers", "frozen_statistics", "update_running_statistics",
            "register_replicas", "release_replicas", "replicas_agree", "normalize"]
 
 #: BatchNorm module -> (data-parallel communicator, moments function) while a ReplicaSync runs
@@ -102,6 +102,14 @@ def batchnorm_error(steps: Sequence[nn.Module], first: int) -> str | None:
                 return (f"{what}, whose shapes are not known yet: run the step once on a sample "
                         f"state before building the segment, or use BatchNorm1d/2d/3d")
     return None
+
+
+def checked_buffers(steps: Sequence[nn.Module]) -> list:
+    """The buffers of ``steps`` whose in-place change between a forward and its backward is an
+    error: all but BatchNorm's running statistics, which its training forward itself updates
+    (serial autograd never saves them in training mode either)."""
+    stats = {id(b) for m in batch_norms(steps) for b in m.buffers(recurse=False)}
+    return [b for s in steps for b in s.buffers() if id(b) not in stats]
 
 
 def normalize(bn: _BatchNorm, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:

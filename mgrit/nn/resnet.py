@@ -220,7 +220,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self._params = list(self.steps.parameters())  # deduplicated: shared ones once
         index = {id(p): i for i, p in enumerate(self._params)}
         self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
-        self._checked = self._params + list(self.steps.buffers())
+        self._checked = self._params + batchnorm.checked_buffers(self.steps)
 
     def _checked_names(self) -> list:
         """Names of :attr:`_checked` for error messages (global layer index and name)."""

@@ -132,13 +132,14 @@ def _compare_state(net, ser, tol, what, comm=COMM):
     return worst
 
 
-def check_train_exact(kind, sizes=None, steps=3, tol=1e-10):
-    """On groups of ``sizes`` ranks (default: all), ``steps`` SGD steps, layer-parallel vs serial, batch 6: output, loss, every gradient,
+def check_train_exact(kind, sizes=None, levels=2, steps=3, tol=1e-10):
+    """On groups of ``sizes`` ranks (default: all), ``levels`` (1: the pipelined one-level
+    path), ``steps`` SGD steps, layer-parallel vs serial, batch 6: output, loss, every gradient,
     every running statistic and ``num_batches_tracked`` after each step; with dropout the
     same ``torch.manual_seed`` before each forward; then an evaluation forward."""
     torch.set_default_dtype(DT)
     comm = COMM if sizes is None else _split(sizes)
-    net, ser, in_shape = _nets(kind, comm)
+    net, ser, in_shape = _nets(kind, comm, levels)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ser.parameters(), lr=0.1)
     worst = 0.0
@@ -208,13 +209,13 @@ def check_dropout_semantics():
     return True
 
 
-def check_dp_batchnorm(kind, steps=2, tol=1e-10):
+def check_dp_batchnorm(kind, levels=2, steps=2, tol=1e-10):
     """``data_parallel=2`` replicas, each with half of a batch of 8 (ReplicaSync: the global
     batch's statistics inside the solves; gradients averaged), equal the single-process serial
     network on the whole batch: loss, every gradient and running statistic, ``steps`` steps."""
     torch.set_default_dtype(DT)
     grid = ProcessGrid(COMM, data_parallel=2)
-    net, ser, in_shape = _nets(kind, grid.layer_comm)
+    net, ser, in_shape = _nets(kind, grid.layer_comm, levels)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ser.parameters(), lr=0.1)
     r = grid.data_comm.Get_rank()
