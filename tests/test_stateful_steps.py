@@ -5,7 +5,8 @@ MPI (tests/mpi_cases/stateful_cases.py; one job per rank count): exact mode (flo
 against an independently built serial network trained by autograd and SGD on the same batches
 (and, with dropout, the same ``torch.manual_seed``): loss, every gradient, every
 ``running_mean`` / ``running_var`` / ``num_batches_tracked`` after 3 steps, evaluation outputs;
-7 layers on 1, 3 (side by side in one job) and 4 ranks; dense (``momentum=None``) and conv (two BatchNorms) steps; a
+7 layers on 1, 3 (side by side in one job) and 4 ranks; dense (``momentum=None``; ``affine=False`` and
+``track_running_stats=False``) and conv (two BatchNorms) steps; a
 dropout + DropPath dense step and a transformer block with dropout and DropPath; 2
 data-parallel replicas x 2 layer ranks equal the one-process run on the whole batch (SyncBN
 semantics). In process: gradients vs central finite differences with the masks fixed, the
@@ -23,7 +24,7 @@ from tests.mpi_harness import MPIBatch
 C = "tests.mpi_cases.stateful_cases"
 BATCH = MPIBatch()
 # one 4-rank job: P = 1 and P = 3 side by side (split communicators), then P = 4 and 2 x 2
-for kind in ("dense", "conv", "dropout", "vit"):
+for kind in ("dense", "bnvar", "conv", "dropout", "vit"):
     BATCH.add(4, f"train-{kind}-P1+P3", f"{C}:check_train_exact", kind=kind, sizes=[1, 3])
 for kind in ("dense", "conv"):
     BATCH.add(4, f"train-{kind}-P4", f"{C}:check_train_exact", kind=kind)
@@ -125,3 +126,41 @@ def test_transformer_dropout_eval_and_batching():
     with torch.no_grad():
         seg(torch.randn(6, 3), 6)
     assert int(bn.num_batches_tracked) == 2, "a training-mode forward under no_grad updates too"
+
+
+def test_cifar_resnet_model_and_flags():
+    """``--model cifar-resnet``: the layer-parallel network (one rank, exact 2-level solves)
+    equals its serial form (same keys and weights; training-mode output and running statistics
+    after one forward; evaluation output), h = 1; ``--dropout`` only for the transformers."""
+    from mpi4py import MPI
+
+    from mgrit.training.jobconfig import JobConfig
+    from mgrit.training.models import build_model
+    cfg = JobConfig(model="cifar-resnet", dataset="digits", channels=2, layers=3, levels=2,
+                    cfactor=2, tol=1e-13)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ser = build_model("cifar-resnet", cfg, (1, 8, 8), 10)
+        par = build_model("cifar-resnet", cfg, (1, 8, 8), 10, comm=MPI.COMM_SELF)
+        assert par.segments[0].h == 1.0 and len(par.segments) == 3
+        sd, ref = par.to_serial().state_dict(), ser.state_dict()
+        assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in sd)
+        x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        out, want = par(x), ser(x)
+        assert ((out - want).norm() / want.norm()).item() < 1e-10
+        sd = par.to_serial().state_dict()
+        worst = max(((sd[k] - v).norm() / v.norm().clamp_min(1e-4)).item()
+                    for k, v in ser.state_dict().items() if "running" in k)
+        assert worst < 1e-10, f"running statistics rel err {worst}"
+        par.eval()
+        ser.eval()
+        with torch.no_grad():
+            out, want = par(x), ser(x)
+        assert ((out - want).norm() / want.norm()).item() < 1e-10
+    finally:
+        torch.set_default_dtype(old)
+    with pytest.raises(ValueError, match="--dropout=0.1 applies to the transformers"):
+        JobConfig(model="resnet", dropout=0.1).validated(1)
+    with pytest.raises(ValueError, match="--drop-path=1.0 is not allowed"):
+        JobConfig(model="vit", drop_path=1.0).validated(1)
