@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -76,10 +77,11 @@ def has_flag(flag: str) -> bool:
     return flag in out.stdout
 
 
-def run(study: str, model: str, method: str, seed: int, base: Path, smoke: bool) -> None:
+def run(study: str, model: str, method: str, seed: int, base: Path, smoke: bool,
+        extra: list = ()) -> None:
     common, mg = STUDIES[study][model]
     out = base / "runs" / f"{model}-s{seed}-{method}"
-    flags = [*common, "--seed", str(seed)]
+    flags = [*common, "--seed", str(seed), *extra]
     records.run_job(records.command(flags, mg, method, out, smoke), out)
 
 
@@ -132,6 +134,9 @@ def main(argv=None) -> int:
                    help="run nothing: rewrite table.md, summary.md, headline.json from the runs")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="seeds (default 0 1 2; --smoke: 0)")
+    p.add_argument("--extra", default="", help="flags appended to every job, e.g. "
+                   "'--limit-train 1000 --epochs 2' for a smaller budget (recorded in the "
+                   "commands of table.md)")
     a = p.parse_args(argv)
     base = results_dir(a.study, a.out)
     seeds = a.seeds or ((0,) if a.smoke else SEEDS)
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
         for model in STUDIES[a.study]:
             for seed in seeds:
                 for method in METHODS:
-                    run(a.study, model, method, seed, base, a.smoke)
+                    run(a.study, model, method, seed, base, a.smoke, shlex.split(a.extra))
     report(a.study, base, seeds)
     return 0
 

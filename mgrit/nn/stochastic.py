@@ -44,7 +44,6 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 from torch import nn
-from torch.nn import functional as F
 
 __all__ = ["Dropout", "DropPath", "NoiseSource", "STOCHASTIC_TYPES", "attach", "draw_seed",
            "mask_seed", "seed_on_entry", "seed_serial", "plain_dropout_error"]
@@ -241,5 +240,3 @@ def rng_unchanged(before: torch.Tensor) -> bool:
     """Whether the default CPU generator is in state ``before`` (``get_state()``)."""
     return bool(torch.equal(before, torch.default_generator.get_state()))
 
-
-del F
