@@ -45,7 +45,6 @@ from .steps import ResidualStep
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
 
 
-
 class LayerParallelResNet(SolverControls, nn.Module):
     """This rank's block of a forward-Euler ResNet, solved layer-parallel by MGRIT.
 
@@ -192,7 +191,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     # -- structure of the step modules ----------------------------------------------------
     def _structure_error(self) -> str | None:
-        """This rank's unsupported modules and parameters shared across layers (a message)."""
+        """This rank's unsupported modules and parameters shared across layers (a message).
+        Also collects the BatchNorms and numbers the Dropout/DropPath modules of the steps."""
         self._bns = batchnorm.batch_norms(self.steps)
         error = (stochastic.plain_dropout_error(self.steps, self.first)
                  or batchnorm.batchnorm_error(self.steps, self.first)
