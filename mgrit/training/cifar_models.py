@@ -25,9 +25,8 @@ import copy
 
 from torch import nn
 
+from . import transformer_models as _tm  # its helpers, read at call time (import circle)
 from .models import register
-from .transformer_models import _Segment, _SEED_STRIDE, _assemble, _image_shape, _no_layers_form, \
-    _seeded
 
 __all__ = ["BasicBlockStep", "build_cifar_resnet", "STAGE_WIDTHS"]
 
@@ -65,18 +64,18 @@ def _conv_bn_relu(c_in: int, c_out: int, stride: int) -> nn.Sequential:
 def build_cifar_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     """He et al.'s CIFAR ResNet (module doc): ``cfg.channels``, ``cfg.layers`` blocks per
     stage, ``h = 1``. Raises ValueError for non-image data or ``form="layers"``."""
-    _no_layers_form("cifar-resnet", form)
-    C, H, W = _image_shape("cifar-resnet", in_shape)
+    _tm._no_layers_form("cifar-resnet", form)
+    C, H, W = _tm._image_shape("cifar-resnet", in_shape)
     widths = [cfg.channels * m for m in STAGE_WIDTHS]
-    parts = [_seeded(cfg, 0, lambda: _conv_bn_relu(C, widths[0], 1))]
+    parts = [_tm._seeded(cfg, 0, lambda: _conv_bn_relu(C, widths[0], 1))]
     for s, c in enumerate(widths):
         if s:
             H, W = (H + 1) // 2, (W + 1) // 2
-            parts.append(_seeded(cfg, len(parts), lambda c=c: _conv_bn_relu(c // 2, c, 2)))
-        parts.append(_Segment(lambda k, c=c: BasicBlockStep(c), cfg.layers, (c, H, W),
-                              cfg.seed + _SEED_STRIDE * (len(parts) + 1)))
-    parts.append(_seeded(cfg, len(parts), lambda: nn.Sequential(
+            parts.append(_tm._seeded(cfg, len(parts), lambda c=c: _conv_bn_relu(c // 2, c, 2)))
+        parts.append(_tm._Segment(lambda k, c=c: BasicBlockStep(c), cfg.layers, (c, H, W),
+                                  cfg.seed + _tm._SEED_STRIDE * (len(parts) + 1)))
+    parts.append(_tm._seeded(cfg, len(parts), lambda: nn.Sequential(
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], num_classes))))
     unit = copy.copy(cfg)
     unit.T = float(cfg.layers)  # h = T / N = 1
-    return _assemble(parts, unit, comm)
+    return _tm._assemble(parts, unit, comm)

@@ -197,6 +197,9 @@ def describe_model(cfg) -> str:
         b = cfg.buffer_layers
         extra = (f", {cfg.patch}x{cfg.patch} patches" if cfg.model == "vit" else
                  f", context {cfg.context}, {b} + {b} serial buffer layers")
+        drop, path = getattr(cfg, "dropout", 0.0), getattr(cfg, "drop_path", 0.0)
+        if drop or path:
+            extra += f", dropout {drop:g}, drop-path {path:g}"
         return (f"{cfg.model} {cfg.layers} x pre-LN blocks (d_model {cfg.d_model}, {cfg.heads} "
                 f"heads, d_ff {_d_ff(cfg)}, h {cfg.T / cfg.layers:g}{extra})")
     if cfg.model == "cifar-resnet":
