@@ -112,6 +112,14 @@ REGISTRY: tuple[Entry, ...] = (
           ("--smoke", "--out", "{out}"), "mixed", "GRU helper"),
     Entry("bias_monitor", "experiments/study_bias.py", 2, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "accuracy", "bias helper"),
+    # issue 23: BatchNorm ResNet and dropout ViT, weight-tied vs untied ResNet (serial vs
+    # layer-parallel, 3 seeds; the script launches its 2-rank jobs)
+    Entry("batchnorm_dropout", "experiments/stateful_records.py", None,
+          ("--study", "batchnorm_dropout", "--full", "--out", "{out}"),
+          ("--study", "batchnorm_dropout", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
+    Entry("tied_resnet", "experiments/stateful_records.py", None,
+          ("--study", "tied_resnet", "--full", "--out", "{out}"),
+          ("--study", "tied_resnet", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
 )
 
 

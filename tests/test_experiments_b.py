@@ -19,7 +19,8 @@ from tests.regenerate_quick import assert_every_script_ok, run_quick
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
-ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial"]
+ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
+        "batchnorm_dropout", "tied_resnet"]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,26 @@ def test_mainjob_record_is_generated_from_the_runs(quick):
     e = {x.name: x for x in rg.REGISTRY}["mnist_mgrit_vs_serial"]
     assert rg.command(e, "full", "all", Path("/x"))[:2] == [sys.executable,
                                                             str(ROOT / e.script)]
+
+
+def test_stateful_records_are_generated_from_the_runs(quick):
+    """stateful_records.py (issue 23): the BatchNorm ResNet and the dropout ViT, serial on 1
+    rank and MGRIT on 2 with the same flags and seed; the summary states the runs' accuracies;
+    the tied study runs, or says why it was skipped (no --tied flag)."""
+    d = quick[0] / "batchnorm_dropout"
+    summary = (d / "summary.md").read_text()
+    for model, flag in (("cifar-resnet", ("model", "cifar-resnet")),
+                        ("vit-dropout", ("dropout", 0.1))):
+        ser, mg = (json.loads((d / "runs" / f"{model}-s0-{m}" / "summary.json").read_text())
+                   for m in ("serial", "mgrit"))
+        assert (ser["world_size"], mg["world_size"]) == (1, 2)
+        assert ser["config"][flag[0]] == mg["config"][flag[0]] == flag[1]
+        assert ser["config"]["seed"] == mg["config"]["seed"] == 0
+        sa, ma = ser["final"]["test_acc"] * 100, mg["final"]["test_acc"] * 100
+        assert f"**{model}**: test accuracy serial {sa:.2f}% (one seed), MGRIT {ma:.2f}%" \
+            in summary
+    t = quick[0] / "tied_resnet"
+    assert (t / "skipped.md").is_file() or (t / "summary.md").is_file()
 
 
 def test_help_flags():

@@ -144,8 +144,8 @@ def _steps(n, width=3):
     return [DenseStep(width).double() for _ in range(n)]
 
 
-@pytest.mark.parametrize("bad", [nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.Dropout(0.2),
-                                 nn.Dropout2d(0.2)])
+@pytest.mark.parametrize("bad", [nn.SyncBatchNorm(3), nn.Dropout(0.2), nn.Dropout2d(0.2),
+                                 nn.AlphaDropout(0.2)])
 def test_unsupported_layers_named(bad):
     steps = _steps(5)
     steps[3] = nn.Sequential(nn.Linear(3, 3), bad)

@@ -56,7 +56,8 @@ def _stack(steps, grad=False):
     (dict(d_model=True, n_heads=1), "d_model=True"),
     (dict(d_model=8, n_heads=2, act="swish"), "act='swish'"),
     (dict(d_model=8, n_heads=2, causal=1), "causal=1"),
-    (dict(d_model=8, n_heads=2, dropout=0.1), "dropout=0.1 .*MGRIT applies each layer"),
+    (dict(d_model=8, n_heads=2, dropout=1.0), "dropout=1.0 is not allowed"),
+    (dict(d_model=8, n_heads=2, drop_path=-0.1), "drop_path=-0.1 is not allowed"),
     (dict(d_model=8, n_heads=2, dropout=-1.0), "dropout=-1.0"),
 ])
 def test_construction_errors(kwargs, match):

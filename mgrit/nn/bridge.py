@@ -31,6 +31,7 @@ import operator
 import torch
 
 from .agreement import agree_backward, saved_or_error
+from .batchnorm import frozen_statistics, replica_comm, replicas_agree
 from .chains import AdjointChain
 
 __all__ = ["MGRITFunction", "node_backward", "version_error", "changed_error"]
@@ -101,6 +102,8 @@ class MGRITFunction(torch.autograd.Function):
         ctx.param_index = model._param_index  # layer -> unique parameter, as of this forward
         ctx.stacked_inputs = snapshot is not None
         ctx.epoch = model._fingerprint.epoch  # the fast paths this forward ran with
+        ctx.noise = (model._noise.seed, model._noise.masks)  # Dropout masks of this forward
+        ctx.rng_error = model._rng_error
         if ctx.stacked_inputs:
             ctx.checked = model._checked
             ctx.versions = tuple(map(_version, ctx.checked))
@@ -111,7 +114,10 @@ class MGRITFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gx0, *pgrads = node_backward(ctx.model, ctx, grad)
+        model = ctx.model  # the forward's masks; BatchNorm: batch statistics, no update
+        with model._noise.use(*ctx.noise), frozen_statistics(model._bns), \
+                replicas_agree([model._bsolver], replica_comm(model._bns)):
+            gx0, *pgrads = node_backward(model, ctx, grad)
         return (None, None, None, gx0, None, *pgrads)
 
 
@@ -123,6 +129,7 @@ def node_backward(model, ctx, grad) -> tuple:
         error = changed_error(model, ctx.epoch)
     if error is None and ctx.stacked_inputs:
         error = version_error(ctx.checked, ctx.versions, model._checked_names)
+    error = error or getattr(ctx, "rng_error", None)  # a step drew from the default generator
     need_x = model.is_first and ctx.needs_input_grad[3]
     need_p = ctx.needs_input_grad[5:]
     if not agree_backward(model.comm, _WHAT, ctx.forward_id, error, (need_x or any(need_p),))[0]:

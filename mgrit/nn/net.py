@@ -61,6 +61,7 @@ from ._p2p import join, recv, send, transfer_tag
 from .compiled import compile_neutral_keys, plain_module
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
+from .stochastic import seed_serial
 
 __all__ = ["LayerParallelNet"]
 
@@ -279,7 +280,11 @@ class LayerParallelNet(nn.Module):
         mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
         pieces = self.comm.allgather(mine)
         layers = dict(item for piece in pieces for item in piece)
-        return nn.Sequential(*[copy.deepcopy(layers[i]) for i in range(len(layers))])
+        out = nn.Sequential(*[copy.deepcopy(layers[i]) for i in range(len(layers))])
+        for part in self._parts:  # Dropout/DropPath: each segment's layers draw its masks
+            if part.is_segment:
+                seed_serial(out[part.offset:part.offset + part.module.n_layers])
+        return out
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """Every weight and buffer under its global key on ``root`` (``None`` elsewhere;

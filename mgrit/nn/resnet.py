@@ -47,6 +47,7 @@ from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
 from ..solver import MGRIT
+from . import batchnorm, stochastic
 from .bridge import MGRITFunction
 from .chains import ForwardChain
 from .compiled import compile_neutral_keys, plain_module
@@ -58,8 +59,6 @@ from .steps import ResidualStep
 
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
 
-_UNSUPPORTED = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout2d, nn.AlphaDropout)
-
 
 class LayerParallelResNet(SolverControls, nn.Module):
     """This rank's block of a forward-Euler ResNet, solved layer-parallel by MGRIT.
@@ -67,8 +66,11 @@ class LayerParallelResNet(SolverControls, nn.Module):
     Args:
         steps: the step modules ``F_k`` of this rank's layers ``first .. first+len(steps)-1``
             (see :meth:`build`, which creates them for the default partition). Each maps a
-            state ``(batch, *state_shape)`` to the same shape. BatchNorm and Dropout are not
-            supported yet (repeated sweeps would update statistics / redraw masks): ValueError.
+            state ``(batch, *state_shape)`` to the same shape. BatchNorm: batch statistics in
+            every application, running statistics once per training forward from the final
+            states (:mod:`mgrit.nn.batchnorm`). Dropout: :class:`mgrit.nn.stochastic.Dropout`
+            / ``DropPath``, one mask per training forward and layer (:mod:`mgrit.nn.stochastic`);
+            torch's ``nn.Dropout*`` (a new mask at every application) raise ValueError.
             Layers may share parameters (the same ``Parameter`` object, e.g. one module for
             every layer) with ``P = 1``: gradients are summed as serial autograd sums them.
             With ``P > 1`` each rank would hold and train its own copy, so sharing is refused
@@ -147,7 +149,10 @@ class LayerParallelResNet(SolverControls, nn.Module):
             error = (f"holds layers {a}..{a + n_local - 1} ({n_local}) but got {len(steps)} "
                      f"step modules")
         self.steps = nn.ModuleList(steps)
+        self._noise = stochastic.NoiseSource()  # the forward's seed for Dropout/DropPath
+        self._rng_error = None
         raise_agreed(self.comm, error or self._structure_error())  # same message everywhere
+        self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
         self._collect_parameters()
         self.n_layers, self.T, self.h = n_layers, float(T), float(T) / n_layers
         self.state_shape = shape
@@ -204,13 +209,14 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     # -- structure of the step modules ----------------------------------------------------
     def _structure_error(self) -> str | None:
-        """This rank's unsupported modules and parameters shared across layers (a message)."""
-        bad = [(self.first + k, type(m).__name__) for k, s in enumerate(self.steps)
-               for m in s.modules() if isinstance(m, _UNSUPPORTED)]
-        if bad:
-            return (f"layer {bad[0][0]} contains {bad[0][1]}, which is not supported in "
-                    f"layer-parallel steps yet (statistics/masks would change across MGRIT "
-                    f"sweeps); remove it")
+        """This rank's unsupported modules and parameters shared across layers (a message).
+        Also collects the BatchNorms and numbers the Dropout/DropPath modules of the steps."""
+        self._bns = batchnorm.batch_norms(self.steps)
+        error = (stochastic.plain_dropout_error(self.steps, self.first)
+                 or batchnorm.batchnorm_error(self.steps, self.first)
+                 or stochastic.attach(self.steps, self.first, self._noise)[1])
+        if error:
+            return error
         if self.comm.Get_size() > 1:
             owner = {}
             for k, s in enumerate(self.steps):
@@ -232,7 +238,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self._params = list(self.steps.parameters())  # deduplicated: shared ones once
         index = {id(p): i for i, p in enumerate(self._params)}
         self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
-        self._checked = self._params + list(self.steps.buffers())
+        self._checked = self._params + batchnorm.checked_buffers(self.steps)
 
     def _checked_names(self) -> list:
         """Names of :attr:`_checked` for error messages (global layer index and name)."""
@@ -253,6 +259,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         unsupported modules and parameters shared across layers (a ValueError on every rank).
         Collective over the layer communicator."""
         raise_agreed(self.comm, self._structure_error())
+        self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
         self._restructure()
 
     def _restructure(self) -> None:
@@ -321,7 +328,16 @@ class LayerParallelResNet(SolverControls, nn.Module):
             or on anything built from it, so that this rank joins the adjoint solve). In grad
             mode both always require grad (also when every parameter is frozen), so that every
             rank takes part in the backward.
+
+        In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
+        default generator first (on every rank; :mod:`mgrit.nn.stochastic`).
         """
+        seed = stochastic.draw_seed() if self._stochastic and self.training else None
+        with self._noise.use(seed, None if seed is None else {}):
+            return self._forward(x0, batch_size)
+
+    def _forward(self, x0, batch_size):
+        """The body of :meth:`forward`, inside the forward's noise scope."""
         if self.is_first:
             if x0 is None:
                 raise ValueError("x0 is required on the first layer rank")
@@ -352,8 +368,17 @@ class LayerParallelResNet(SolverControls, nn.Module):
         stacked = self._chain.refresh() if snapshot is None else snapshot
         guess = self._warm if (self.warm_start and self._warm is not None
                                and self._warm.shape[1:] == shape) else None
-        res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
-                                  state_shape=shape)
+        bns, rng = self._bns, torch.default_generator.get_state()
+        with batchnorm.frozen_statistics(bns), \
+                batchnorm.replicas_agree([self._fsolver], batchnorm.replica_comm(bns)):
+            res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
+                                      state_shape=shape)
+        batchnorm.update_running_statistics(self.steps, res.states, bns)  # once per forward
+        self._rng_error = None if stochastic.rng_unchanged(rng) else (
+            "a step drew random numbers from torch's default generator during the solve "
+            "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
+            "per forward, so it would be a different function in every sweep; use "
+            "mgrit.nn.stochastic.Dropout / DropPath modules")
         self.last_forward = res
         if self.warm_start and update_warm:
             self._warm = res.states
@@ -385,7 +410,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
                                       for j, s in enumerate(self.steps)])
         layers = sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0])
         copies = copy.deepcopy([s for _, s in layers])  # one memo: ties are kept
-        return nn.Sequential(*[ResidualStep(s, self.h) for s in copies])
+        layers = [ResidualStep(s, self.h) for s in copies]
+        stochastic.seed_serial(layers)  # Dropout/DropPath: the same masks from the same seed
+        return nn.Sequential(*layers)
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective)."""

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from .steps import ResidualStep
+from .stochastic import seed_serial
 
 __all__ = ["layer_seed", "make_layers", "serial_resnet"]
 
@@ -72,4 +73,6 @@ def serial_resnet(make_step: Callable[[int], nn.Module], n_layers: int, T: float
     same per-layer seeds as :meth:`LayerParallelResNet.build` (the caller's RNG state is left
     unchanged)."""
     steps, _ = make_layers(make_step, range(n_layers), seed)
-    return nn.Sequential(*[ResidualStep(s, T / n_layers) for s in steps])
+    layers = [ResidualStep(s, T / n_layers) for s in steps]
+    seed_serial(layers)  # Dropout/DropPath: the segment's masks from the same seed
+    return nn.Sequential(*layers)

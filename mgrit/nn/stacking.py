@@ -19,7 +19,8 @@ whenever the per-call fingerprint of :mod:`mgrit.nn.contract` sees the modules c
   arbitrary objects) only if it is the *same object*;
 * the same ``training`` flag at every submodule;
 * no forward / backward / pre hooks on any submodule, and no global module hooks;
-* no submodule class sets ``batchable = False`` (the documented opt-out).
+* no submodule class sets ``batchable = False`` (the documented opt-out), and no BatchNorm
+  (:mod:`mgrit.nn.batchnorm` replaces its forward during solves).
 
 Otherwise the layers are evaluated one by one: slower, never different. Per-layer state that
 should stay batched belongs in a buffer (``register_buffer``): buffers are stacked per layer.
@@ -44,6 +45,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .contract import global_hooks_registered, kernel, quiet
 
@@ -87,6 +89,8 @@ def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
         return f"{where}: {type(b).__name__} vs {type(a).__name__}"
     if getattr(b, "batchable", True) is False:
         return f"{where}: {type(b).__name__}.batchable is False"
+    if isinstance(b, _BatchNorm):  # statistics of each layer's own batch (mgrit.nn.batchnorm)
+        return f"{where}: {type(b).__name__} is evaluated layer by layer"
     for m in (a, b):
         hooks = [h for h in _CALL_HOOKS if getattr(m, h, None)]
         if hooks:

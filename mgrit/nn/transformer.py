@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .stochastic import Dropout, DropPath
+
 __all__ = ["TransformerStep", "TRANSFORMER_ACTIVATIONS", "LINEAR_KERNELS"]
 
 
@@ -88,11 +90,17 @@ class TransformerStep(nn.Module):
         d_ff: hidden width of the MLP (int >= 1; default ``None`` = ``4 * d_model``).
         causal: mask future tokens (decoder / language model); default False (encoder).
         act: MLP activation, one of :data:`TRANSFORMER_ACTIVATIONS` (default ``"gelu"``).
-        dropout: only ``0.0``. MGRIT applies every layer many times per batch (each relaxation
-            sweep, cycle and the adjoint's linearization), so masks redrawn at each application
-            would make the layer a different function in every sweep: the solve would not
-            converge to any fixed network and the gradients would be wrong. Put dropout outside
-            the layer-parallel segment (embedding, head).
+        dropout: dropout probability in ``[0, 1)`` (default 0.0: none) at the standard places
+            of a ViT / GPT-2 block: the attention probabilities, the attention branch after
+            ``proj``, the MLP's hidden activations and the MLP branch after ``fc2``
+            (:class:`mgrit.nn.stochastic.Dropout`: inside a layer-parallel segment one mask per
+            training forward and layer, the same in every MGRIT sweep and the adjoint).
+        drop_path: stochastic depth in ``[0, 1)`` (default 0.0): each branch (``phi1``,
+            ``phi2``) is dropped per sample with this probability
+            (:class:`mgrit.nn.stochastic.DropPath`, timm's placement). With ``h = 1`` and both
+            options the block equals timm's ``Block(x) = y + DP(MLP(LN2 y))``, ``y = x +
+            DP(Attn(LN1 x))``. With either > 0 the layers are evaluated one by one (no batched
+            kernel); with both 0 the module tree is the one without dropout.
         device, dtype: factory arguments of the parameters, as in ``torch.nn`` (default: torch's
             defaults; use float64 for exactness tests).
 
@@ -106,7 +114,7 @@ class TransformerStep(nn.Module):
 
     Shapes: :meth:`forward` maps ``(batch, tokens, d_model)`` to the same shape and dtype (the
     parameters' dtype). Raises ``ValueError`` for a bad size, ``d_model % n_heads != 0``, an
-    unknown activation, ``dropout != 0``, or (at call time) an input of another rank or width.
+    unknown activation, ``dropout`` / ``drop_path`` outside ``[0, 1)``, or (at call time) an input of another rank or width.
     """
 
     #: Kernel of :meth:`forward_batched`'s projections, a key of :data:`LINEAR_KERNELS`
@@ -124,7 +132,8 @@ class TransformerStep(nn.Module):
     chunk_elements = 2 ** 18  # 1 MiB of float32: a core's L2 here (AMD EPYC)
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, causal: bool = False,
-                 act: str = "gelu", dropout: float = 0.0, device=None, dtype=None):
+                 act: str = "gelu", dropout: float = 0.0, device=None, dtype=None,
+                 drop_path: float = 0.0):
         super().__init__()
         _check_size("d_model", d_model)
         _check_size("n_heads", n_heads)
@@ -137,13 +146,9 @@ class TransformerStep(nn.Module):
         if not isinstance(act, str) or act not in TRANSFORMER_ACTIVATIONS:
             raise ValueError(f"act={act!r} is not allowed: use one of "
                              f"{sorted(TRANSFORMER_ACTIVATIONS)}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or dropout != 0:
-            raise ValueError(
-                f"dropout={dropout!r} is not allowed: TransformerStep supports only dropout=0.0. "
-                f"MGRIT applies each layer many times per batch (every relaxation sweep and "
-                f"cycle), and dropout masks redrawn at each application would change the layer "
-                f"between sweeps, so the solve would not converge and the gradients would be "
-                f"wrong; apply dropout outside the layer-parallel segment instead")
+        for name, v in (("dropout", dropout), ("drop_path", drop_path)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"{name}={v!r} is not allowed: use a probability in [0, 1)")
         self.d_model, self.n_heads, self.d_ff = d_model, n_heads, d_ff
         self.d_head = d_model // n_heads
         self.causal, self.act = causal, act
@@ -154,10 +159,17 @@ class TransformerStep(nn.Module):
         self.norm2 = nn.LayerNorm(d_model, **kw)
         self.fc1 = nn.Linear(d_model, d_ff, **kw)
         self.fc2 = nn.Linear(d_ff, d_model, **kw)
+        self.dropout, self.drop_path = float(dropout), float(drop_path)
+        if dropout:  # submodules only when used: the default block keeps its batched kernel
+            self.attn_drop, self.drop1 = Dropout(dropout), Dropout(dropout)
+            self.drop_hidden, self.drop2 = Dropout(dropout), Dropout(dropout)
+        if drop_path:
+            self.path1, self.path2 = DropPath(drop_path), DropPath(drop_path)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, d_ff={self.d_ff}, "
-                f"causal={self.causal}, act={self.act!r}")
+                f"causal={self.causal}, act={self.act!r}, dropout={self.dropout}, "
+                f"drop_path={self.drop_path}")
 
     def _check_input(self, x: torch.Tensor, dims: int, what: str) -> None:
         if x.dim() != dims or x.shape[-1] != self.d_model:
@@ -168,7 +180,14 @@ class TransformerStep(nn.Module):
         """Heads of ``qkv`` ``(n, T, 3 d_model)`` (any leading layout that views as that):
         attention over ``n`` independent sequences, ``(n, T, d_model)`` before ``proj``."""
         q, k, v = qkv.reshape(n, T, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (n, H, T, d_head)
+        if self.dropout and self.training:  # dropout on the attention probabilities
+            s = (q @ k.transpose(-2, -1)) * self.d_head ** -0.5
+            if self.causal:
+                s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1),
+                                  float("-inf"))
+            o = self.attn_drop(s.softmax(-1)) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (n, H, T, d_head)
         return o.transpose(1, 2).reshape(n, T, self.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +196,19 @@ class TransformerStep(nn.Module):
         n, T, _ = x.shape
         a = self.proj(self._attend(self.qkv(self.norm1(x)), n, T))  # phi1(x)
         act = TRANSFORMER_ACTIVATIONS[self.act]
-        return a + self.fc2(act(self.fc1(self.norm2(x + a))))  # phi1(x) + phi2(x + phi1(x))
+        if not (self.dropout or self.drop_path):
+            return a + self.fc2(act(self.fc1(self.norm2(x + a))))  # phi1(x) + phi2(x + phi1(x))
+        a = self._branch(a, "drop1", "path1")
+        z = act(self.fc1(self.norm2(x + a)))
+        if self.dropout:
+            z = self.drop_hidden(z)
+        return a + self._branch(self.fc2(z), "drop2", "path2")
+
+    def _branch(self, y: torch.Tensor, drop: str, path: str) -> torch.Tensor:
+        """A residual branch's output after its dropout and DropPath (when configured)."""
+        if self.dropout:
+            y = getattr(self, drop)(y)
+        return getattr(self, path)(y) if self.drop_path else y
 
     def kernel_obstacle(self) -> str | None:
         """Why :meth:`forward_batched` does not compute this module's ``forward`` (a message),

@@ -36,6 +36,10 @@ running means by 0.58, 2 replicas).
   backward, before the gradients are averaged and the optimizer steps (for changes that
   depend on the data); one 1-int ``Allreduce`` per step agrees on the verdict.
 
+Inside layer-parallel steps (:mod:`mgrit.nn.batchnorm`) the synchronized BatchNorms
+normalize with the global batch's statistics in every MGRIT application and update their
+running statistics once per forward, through the forward installed here.
+
 Gradient scale: the backward of the statistics sums each replica's gradient contributions, so
 the replica losses must be shares of one global loss (the shard's summed loss over the global
 batch size, scaled by ``R`` when the gradients are then averaged with the plain mean; a
@@ -64,6 +68,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgrit.comm import raise_agreed
+from mgrit.nn.batchnorm import register_replicas, release_replicas
 
 __all__ = ["SYNC_TYPES", "ReplicaSync", "refuse_unsynchronized", "sync_batch_norm",
            "global_moments", "has_sync_types", "share_scale"]
@@ -231,10 +236,12 @@ class ReplicaSync:
         for _, m in self.synced:
             self._saved.append((m, m.__dict__.get("forward", _MISSING)))
             m.forward = lambda x, m=m: sync_batch_norm(m, x, comm)
+            register_replicas(m, comm, global_moments)  # inside layer-parallel solves too
         return self
 
     def __exit__(self, *exc) -> None:
         for m, old in reversed(self._saved):
+            release_replicas(m)
             if old is _MISSING:
                 m.__dict__.pop("forward", None)
             else:

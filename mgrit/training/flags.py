@@ -45,9 +45,10 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    help="residual step F: dense act(Wx+b), conv act(K*x+b), twoconv "
                         "act(K2*act(K1*x)) (TorchBraid's MNIST block)")
     g.add_argument("--layers", type=int, default=D.layers, help="N, number of residual steps "
-                   "(staged-resnet: per segment; gpt: of the layer-parallel stack)")
+                   "(staged-resnet, cifar-resnet: per stage; gpt: of the layer-parallel stack)")
     g.add_argument("--width", type=int, default=D.width, help="state width of dense steps")
-    g.add_argument("--channels", type=int, default=D.channels, help="channels of conv steps")
+    g.add_argument("--channels", type=int, default=D.channels, help="channels of conv steps "
+                   "(cifar-resnet: of the first stage; He et al. use 16)")
     g.add_argument("--kernel", type=int, default=D.kernel, help="kernel size of conv steps (odd)")
     g.add_argument("--T", type=float, default=D.T, help="final time; step size h = T / N "
                    "(transformers: --T N gives h = 1, the standard pre-LN transformer)")
@@ -63,6 +64,13 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    "and model positions")
     g.add_argument("--buffer-layers", type=int, default=D.buffer_layers, help="gpt: serial "
                    "decoder blocks before and after the layer-parallel stack (each side)")
+    g.add_argument("--dropout", type=float, default=D.dropout, help="vit/gpt: dropout "
+                   "probability on the attention probabilities, both residual branches and the "
+                   "MLP hidden layer of every block (0 = off; one mask per forward and layer, the "
+                   "same in every MGRIT sweep: mgrit.nn.stochastic)")
+    g.add_argument("--drop-path", type=float, default=D.drop_path, help="vit/gpt: stochastic "
+                   "depth, probability of dropping a block's branch per sample (0 = off; ViTs "
+                   "use 0.1 for deep models)")
     g = p.add_argument_group("recurrent (--model gru; mgrit.training.recurrent_models)")
     g.add_argument("--hidden", type=int, default=D.hidden, help="GRU hidden size")
     g.add_argument("--seq-len", type=int, default=D.seq_len, help="--dataset adding: time "

@@ -57,6 +57,8 @@ class JobConfig:
     patch: int = 7
     context: int = 64
     buffer_layers: int = 1
+    dropout: float = 0.0
+    drop_path: float = 0.0
     hidden: int = 32
     seq_len: int = 1024
     gru_coarse: str = "power"
@@ -224,6 +226,13 @@ class JobConfig:
         for name in ("d_ff", "buffer_layers"):
             if getattr(c, name) < 0:
                 raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int >= 0")
+        for name in ("dropout", "drop_path"):
+            v = getattr(c, name)
+            if not 0 <= v < 1:
+                raise ValueError(f"{_flag(name)}={v} is not allowed: use a probability in [0, 1)")
+            if v and c.model not in ("vit", "gpt"):
+                raise ValueError(f"{_flag(name)}={v} applies to the transformers only: use "
+                                 f"--model vit or gpt, got --model {c.model}")
         if c.model in ("vit", "gpt") and c.d_model % c.heads:
             divisors = [h for h in range(1, c.d_model + 1) if c.d_model % h == 0]
             raise ValueError(f"--d-model={c.d_model} is not divisible by --heads={c.heads}: use "
@@ -238,7 +247,8 @@ class JobConfig:
         if text and not lm:
             raise ValueError(f"--dataset {c.dataset} is a text corpus: use a language model "
                              f"(--model {' or '.join(LANGUAGE_MODELS)}), got --model {c.model}")
-        if c.model in ("staged-resnet", "vit", "gpt") and c.method in ("sequential", "decoupled"):
+        if c.model in ("staged-resnet", "cifar-resnet", "vit", "gpt") and \
+                c.method in ("sequential", "decoupled"):
             raise ValueError(f"--method {c.method} has no --model {c.model}: use --method mgrit "
                              f"or serial")
 

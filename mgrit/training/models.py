@@ -135,3 +135,4 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
 # register and mgrit_options from this module)
 from . import transformer_models  # noqa: E402,F401
 from . import recurrent_models  # noqa: E402,F401  (--model gru)
+from . import cifar_models  # noqa: E402,F401  (--model cifar-resnet)

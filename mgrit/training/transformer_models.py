@@ -17,7 +17,11 @@ Every transformer block (parallel or buffer) is ``x + h F(x)`` with ``F`` the
 :class:`~mgrit.nn.TransformerStep` and ``h = --T / --layers``: ``--T`` equal to ``--layers``
 gives the standard pre-LN transformer (``h = 1``), the default ``--T 1`` the ODE scaling
 ``h = 1/N``. ``d_ff`` is ``--d-ff`` (0: ``4 d_model``); MLP activation GELU (vit) or GELU with
-GPT-2's tanh approximation (gpt); no dropout (see ``TransformerStep``).
+GPT-2's tanh approximation (gpt); ``--dropout`` and ``--drop-path`` (default 0: none) in every
+block (``TransformerStep``; in the layer-parallel stack one mask per forward and layer,
+independent of the rank count; the gpt's serial buffer blocks draw theirs from the default
+generator on the rank that holds them, so with them and dropout the later masks depend on the
+layer-rank count).
 
 Seeds (independent of the rank count, so ``--serial`` and any number of layer ranks start from
 the same weights): ordinary module ``i`` of the network (0-based position among the parts) is
@@ -98,9 +102,12 @@ def _d_ff(cfg) -> int:
 
 
 def _block(cfg, causal: bool):
-    """A TransformerStep of the job's sizes (its ValueError names d_model and n_heads)."""
+    """A TransformerStep of the job's sizes (its ValueError names d_model and n_heads), with
+    ``--dropout`` and ``--drop-path`` (attributes optional: 0)."""
     return TransformerStep(cfg.d_model, cfg.heads, _d_ff(cfg), causal=causal,
-                           act="gelu_tanh" if causal else "gelu")
+                           act="gelu_tanh" if causal else "gelu",
+                           dropout=getattr(cfg, "dropout", 0.0),
+                           drop_path=getattr(cfg, "drop_path", 0.0))
 
 
 @register("staged-resnet")
@@ -190,8 +197,14 @@ def describe_model(cfg) -> str:
         b = cfg.buffer_layers
         extra = (f", {cfg.patch}x{cfg.patch} patches" if cfg.model == "vit" else
                  f", context {cfg.context}, {b} + {b} serial buffer layers")
+        drop, path = getattr(cfg, "dropout", 0.0), getattr(cfg, "drop_path", 0.0)
+        if drop or path:
+            extra += f", dropout {drop:g}, drop-path {path:g}"
         return (f"{cfg.model} {cfg.layers} x pre-LN blocks (d_model {cfg.d_model}, {cfg.heads} "
                 f"heads, d_ff {_d_ff(cfg)}, h {cfg.T / cfg.layers:g}{extra})")
+    if cfg.model == "cifar-resnet":
+        widths = ", ".join(str(cfg.channels * m) for m in STAGE_WIDTHS)
+        return f"CIFAR ResNet 3 x {cfg.layers} basic blocks with BatchNorm ({widths} channels, h 1)"
     if cfg.model == "resnet":
         return (f"{cfg.layers} x {cfg.step} steps "
                 f"({cfg.width if cfg.step == 'dense' else cfg.channels} features)")

@@ -304,7 +304,7 @@ def check_construction_errors():
     def make(s, **kw):
         return LayerParallelResNet(s, n, (WIDTH,), comm=COMM, **kw)
 
-    for bad, name in [(nn.BatchNorm1d(WIDTH), "BatchNorm1d"), (nn.Dropout(0.1), "Dropout")]:
+    for bad, name in [(nn.SyncBatchNorm(WIDTH), "SyncBatchNorm"), (nn.Dropout(0.1), "Dropout")]:
         _expect(ValueError, lambda: make(steps(nl, bad)), name, f"layer {a + nl - 1}")
     _expect(ValueError, lambda: make(steps(nl + 1)), str(nl + 1))
     _expect(ValueError, lambda: make(steps(nl), adjoint="reverse"), "reverse")
