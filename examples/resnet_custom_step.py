@@ -37,7 +37,9 @@ p.add_argument("--out", default=None, help="folder for checkpoint.pt and model.p
 args = p.parse_args()
 torch.set_default_dtype(torch.float64)       # exact mode: the solves reproduce serial backprop
 grid = ProcessGrid()                         # all ranks split the layers (no data parallelism)
-out = grid.comm.bcast(args.out or tempfile.mkdtemp(prefix="layerpar-") if grid.comm.rank == 0 else None)
+out = args.out or (tempfile.mkdtemp(prefix="layerpar-") if grid.comm.rank == 0 else None)
+out = grid.comm.bcast(out)                   # rank 0's folder, on every rank
+os.makedirs(out, exist_ok=True)
 train, test = load_dataset("digits")         # 8x8 digit images, bundled (nothing downloaded)
 width, layers, epochs = 16, 8 if args.quick else 32, 1 if args.quick else 5
 exact = MGRITOptions(max_levels=2, cfactor=4, tol=1e-10, max_iter=50)  # inexact: tol=0, max_iter=2
@@ -68,3 +70,4 @@ if grid.comm.rank == 0:
     plain.load_state_dict(torch.load(os.path.join(out, "model.pt"), weights_only=True))
     with torch.no_grad():
         print(f"exported model vs layer-parallel net: max |diff| {(plain(x) - y_par).abs().max():.2e}")
+    print(f"checkpoint.pt and model.pt in {out}")

@@ -88,12 +88,14 @@ class DecoupledPipeline(TrainingMethod):
         seed: seeds the replay-buffer sampling (per rank).
 
     Attributes:
-        model (the full model), grid, owned (this rank's stage indices), optimizers (per owned
-        stage), optimizer (:class:`~mgrit.training.method.MethodOptimizer` over them, for
-        checkpoints), loss_function (the per-sample loss ``fn(out, y, reduction)`` of the
-        model's loss for the Trainer's evaluation: ``Trainer(pipe, None, grid,
-        loss=pipe.loss_function)``), comm_stats, epoch_metrics (per-stage metrics of the latest epoch, see
-        :meth:`end_epoch`).
+        model: the full model (also ``grid``).
+        owned: this rank's stage indices.
+        optimizers: an optimizer per owned stage.
+        optimizer: :class:`~mgrit.training.method.MethodOptimizer` over them, for checkpoints.
+        loss_function: the per-sample loss ``fn(out, y, reduction)`` of the model's loss for
+            the Trainer's evaluation: ``Trainer(pipe, None, grid, loss=pipe.loss_function)``.
+        comm_stats: message counters.
+        epoch_metrics: per-stage metrics of the latest epoch (see :meth:`end_epoch`).
 
     Raises:
         ValueError: more layer ranks than stages; ``K != P_L * stages_per_rank``; bad optimizer

@@ -100,11 +100,14 @@ class SequentialTrainer(TrainingMethod):
             ``(n, D)``; accuracies None), see :data:`layerwise.common.LOSSES`.
 
     Attributes:
-        layers, heads (``nn.ModuleList``), plan (the stage of every epoch: ``k``, ``"head"``
-        or ``"finetune"``), history (:meth:`fit`'s per-epoch dicts), stage_optimizer (the
-        optimizer of the stage being trained; None between stages), optimizer (its
-        checkpoint view), loss, loss_function (the per-sample loss ``fn(out, y, reduction)``
-        for the Trainer's evaluation: ``Trainer(seq, None, grid, loss=seq.loss_function)``).
+        layers: ``nn.ModuleList``; ``heads`` too.
+        plan: the stage of every epoch: ``k``, ``"head"`` or ``"finetune"``.
+        history: :meth:`fit`'s per-epoch dicts.
+        stage_optimizer: the optimizer of the stage being trained (None between stages).
+        optimizer: its checkpoint view.
+        loss: the loss name.
+        loss_function: the per-sample loss ``fn(out, y, reduction)`` for the Trainer's
+            evaluation: ``Trainer(seq, None, grid, loss=seq.loss_function)``.
 
     Raises:
         ValueError: unknown ``grow``/``head``/``optimizer``/``loss``; non-positive epochs, lr or

@@ -110,11 +110,12 @@ class LayerParallelResNet(SolverControls, nn.Module):
     ``retain_graph``. Double backward (``create_graph=True``) is refused with a RuntimeError.
 
     Attributes:
-        first: global index of this rank's first layer. ``is_first``/``is_last``: whether this
-        rank holds layer 0 / layer N-1. ``last_forward``/``last_backward``: the
-        :class:`~mgrit.solver.MGRITResult` of the latest solves (residual history, stats;
-        diagnostics only). ``batching_obstacle``: why this rank's layers are evaluated one
-        by one (``None`` when batched; see :mod:`mgrit.nn.stacking`).
+        first: global index of this rank's first layer.
+        is_first: whether this rank holds layer 0; ``is_last``: layer N-1.
+        last_forward: the :class:`~mgrit.solver.MGRITResult` of the latest forward solve
+            (residual history, stats; diagnostics only); ``last_backward``: of the adjoint.
+        batching_obstacle: why this rank's layers are evaluated one by one (``None`` when
+            batched; see :mod:`mgrit.nn.stacking`).
     """
 
     def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape, T: float = 1.0,

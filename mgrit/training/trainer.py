@@ -79,11 +79,15 @@ class Trainer:
             :func:`mgrit.training.lm.token_accuracy`.
 
     Attributes:
-        net (the adapted network), method (the TrainingMethod, or None), optimizer (with a
-        method: its checkpoint view), grid, callbacks, steps_done, history (per-epoch
-        metrics of the current fit), is_root (rank 0 of ``grid.comm``), batch (this replica's
-        ``(x, y)`` of the latest step, for callbacks that redo the step's computation such as
-        :class:`~mgrit.training.bias.BiasMonitor`; None before the first step).
+        net: the adapted network.
+        method: the TrainingMethod, or None.
+        optimizer: as given (with a method: its checkpoint view); also ``grid``,
+            ``callbacks``, ``steps_done``.
+        history: per-epoch metrics of the current fit.
+        is_root: rank 0 of ``grid.comm``.
+        batch: this replica's ``(x, y)`` of the latest step, for callbacks that redo the
+            step's computation such as :class:`~mgrit.training.bias.BiasMonitor`; None
+            before the first step.
 
     Raises:
         TypeError: ``net`` not a module, ``optimizer`` not a ``torch.optim.Optimizer``, ``grid``
