@@ -61,7 +61,21 @@ from ._p2p import join, recv, send, transfer_tag
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 
-__all__ = ["LayerParallelNet"]
+__all__ = ["LayerParallelNet", "alias_tied"]
+
+
+def alias_tied(state: dict, prefixes: dict) -> dict:
+    """``state`` with each tied layer's entries replaced by its group's first layer's tensor
+    objects (``prefixes``: :meth:`LayerParallelNet.tied_prefixes`), so that saving it writes
+    one copy; keys unchanged."""
+    if not prefixes:
+        return state
+    for key in list(state):
+        i, _, rest = key.partition(".")
+        pre0 = prefixes.get(f"{i}.F.")
+        if pre0 is not None and rest.startswith("F.") and pre0 + rest[2:] in state:
+            state[key] = state[pre0 + rest[2:]]
+    return state
 
 
 class LayerParallelNet(nn.Module):
@@ -274,7 +288,22 @@ class LayerParallelNet(nn.Module):
         mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
         pieces = self.comm.allgather(mine)
         layers = dict(item for piece in pieces for item in piece)
-        return nn.Sequential(*[copy.deepcopy(layers[i]) for i in range(len(layers))])
+        for key, key0 in self.tied_prefixes().items():  # one module per tie group
+            i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
+            layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+        return nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
+
+    def tied_prefixes(self) -> dict:
+        """``{"{o+k}.F.": "{o+k0}.F."}``: the global key prefix of every weight-tied layer
+        (``LayerParallelResNet(tie=...)``) that is not its group's first layer, mapped to the
+        first layer's (local, no communication; empty without ties)."""
+        out = {}
+        for part in self._parts:
+            if part.is_segment:
+                o = part.offset
+                out.update({f"{o + k}.F.": f"{o + k0}.F."
+                            for k, k0 in part.module.tied_sources().items()})
+        return out
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """Every weight and buffer under its global key on ``root`` (``None`` elsewhere;
@@ -285,7 +314,7 @@ class LayerParallelNet(nn.Module):
             return None
         merged = [(k, v) for p in parts for k, v in p.items()]  # in to_serial() order:
         merged.sort(key=lambda kv: int(kv[0].split(".", 1)[0]))  # stable within a layer
-        return dict(merged)
+        return alias_tied(dict(merged), self.tied_prefixes())
 
     def load_global_state_dict(self, state: dict | None, root: int = 0,
                                strict: bool = True) -> None:

@@ -90,6 +90,12 @@ def blocks(net: nn.Module) -> list:
     return [("", net)]
 
 
+def tied_prefixes(net: nn.Module) -> dict:
+    """:meth:`LayerParallelNet.tied_prefixes` (weight-tied layers' key prefixes -> their
+    group's first layer's); empty for serial networks."""
+    return net.tied_prefixes() if isinstance(net, LayerParallelNet) else {}
+
+
 def segments(net: nn.Module) -> list:
     """The LayerParallelResNet segments of ``net`` (empty for serial networks)."""
     return list(net.segments) if isinstance(net, LayerParallelNet) else []
