@@ -215,7 +215,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
                 f"make_step({foreign[0][0]}) (it is shared with a module built elsewhere): with "
                 f"P = {comm.Get_size()} layer ranks a parameter shared between layers would be "
                 f"a separate copy on every rank; create each layer's parameters inside "
-                f"make_step, or declare the sharing with tie=..."))
+                f"make_step, declare the sharing with tie=..., or use P = 1"))
         return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
 
     # -- structure of the step modules ----------------------------------------------------

@@ -96,6 +96,14 @@ def tied_prefixes(net: nn.Module) -> dict:
     return net.tied_prefixes() if isinstance(net, LayerParallelNet) else {}
 
 
+def check_tied_replicas(net: nn.Module) -> None:
+    """ValueError on every rank if a segment's weight-tied replicas differ across its layer
+    ranks (:meth:`LayerParallelResNet.check_tied_replicas`; collective, cheap: one
+    ``allgather`` per segment with ties spanning ranks, nothing otherwise)."""
+    for seg in segments(net):
+        seg.check_tied_replicas()
+
+
 def segments(net: nn.Module) -> list:
     """The LayerParallelResNet segments of ``net`` (empty for serial networks)."""
     return list(net.segments) if isinstance(net, LayerParallelNet) else []
