@@ -8,7 +8,8 @@ of 3 layers (one group spans two ranks) plus an untied layer, one shared transfo
 (ALBERT); the batched MGRIT path, the per-layer MGRIT path and the one-level pipelined path.
 Also: a drifted replica is detected, bad ``tie`` values and undeclared sharing raise one
 ValueError on every rank, a checkpoint saved on 2 ranks loads on 3 (weights and momentum
-equal, one stored copy per tie group). One MPI job per rank count 2-4; one rank runs in the
+equal, one stored copy per tie group); the main job's ``--tied`` ResNet equals its serial twin
+(2 ranks). One MPI job per rank count 2-4; one rank runs in the
 test process.
 """
 import pytest
@@ -28,6 +29,7 @@ for k, cases in CASES.items():
         BATCH.add(k, f"tied-{kind}-L{levels}-{'batched' if batched else 'per-layer'}",
                   f"{C}:check_tied", kind=kind, levels=levels, batched=batched)
 BATCH.add(2, "replica_drift", f"{C}:check_replica_drift_detected")
+BATCH.add(2, "job_tied_resnet", f"{C}:check_job_tied_resnet")
 BATCH.add(3, "errors", f"{C}:check_errors")
 BATCH.add(3, "checkpoint_2_to_3_ranks", f"{C}:check_checkpoint")
 
@@ -47,4 +49,4 @@ def test_tied_one_rank(kind, levels, batched):
 
 
 def test_tied_errors_one_rank():
-    assert tied_cases.check_errors() == 4
+    assert tied_cases.check_errors() == 5

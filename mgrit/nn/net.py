@@ -61,7 +61,24 @@ from ._p2p import join, recv, send, transfer_tag
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 
-__all__ = ["LayerParallelNet", "alias_tied"]
+__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict"]
+
+
+def tied_conflict(state: dict, prefixes: dict) -> str | None:
+    """A message when ``state`` gives a weight-tied layer other values than its group's first
+    layer (e.g. a state dict of an untied network: loading it would make the replicas differ),
+    else ``None``. ``prefixes``: :meth:`LayerParallelNet.tied_prefixes`."""
+    for key, t in state.items():
+        i, _, rest = key.partition(".")
+        pre0 = prefixes.get(f"{i}.F.") if rest.startswith("F.") else None
+        ref = None if pre0 is None else state.get(pre0 + rest[2:])
+        if ref is not None and t is not ref and not (
+                torch.is_tensor(t) and torch.is_tensor(ref) and t.shape == ref.shape
+                and torch.equal(t, ref)):
+            return (f"{key!r} differs from {pre0 + rest[2:]!r}, but the two layers are weight-"
+                    f"tied (one module): give every layer of a tie group the same values (a "
+                    f"state dict of the untied network does not fit a tied one)")
+    return None
 
 
 def alias_tied(state: dict, prefixes: dict) -> dict:
@@ -323,7 +340,8 @@ class LayerParallelNet(nn.Module):
 
         Raises:
             KeyError: (every rank) missing keys, or with ``strict`` keys that no part of the
-                network has. ValueError: (every rank) an entry whose shape differs.
+                network has. ValueError: (every rank) an entry whose shape differs, or
+                weight-tied layers (``tie``) given different values.
         """
         want = {k: tuple(t.shape) for k, t in self._local_state().items()}
         wants = self.comm.gather(want, root=root)
@@ -338,7 +356,10 @@ class LayerParallelNet(nn.Module):
                 extra = [k for k in state if k not in known] if strict else []
                 bad = [f"{k}: {tuple(state[k].shape)} vs {s}" for k, s in known.items()
                        if k in state and tuple(state[k].shape) != s]
-                if missing or extra:
+                conflict = None if missing else tied_conflict(state, self.tied_prefixes())
+                if conflict:
+                    error = ("value", conflict)
+                elif missing or extra:
                     error = ("key", f"state dict: missing keys {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}, unexpected keys "
                                     f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")

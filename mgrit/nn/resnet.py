@@ -407,8 +407,16 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     def load_global_state_dict(self, state: dict | None, root: int = 0) -> None:
         """Inverse of :meth:`gather_state_dict`: ``state`` on ``root`` is scattered and each
-        rank loads its layers (collective). Raises KeyError naming a missing layer."""
+        rank loads its layers (collective). Raises KeyError naming a missing layer; ValueError
+        (every rank) when weight-tied layers get different values."""
         state = self.comm.bcast(state, root=root)
+        for k, k0 in self.tied_sources().items():  # the same verdict on every rank
+            for name in [x[len(str(k)) + 1:] for x in state if x.startswith(f"{k}.")]:
+                a, b = state[f"{k}.{name}"], state.get(f"{k0}.{name}")
+                if b is not None and a is not b and not torch.equal(a, b):
+                    raise ValueError(f"state entry '{k}.{name}' differs from '{k0}.{name}', but "
+                                     f"layers {k} and {k0} are weight-tied (one module): give "
+                                     f"every layer of a tie group the same values")
         for j, s in enumerate(self.steps):
             k = self.first + j
             mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}

@@ -42,7 +42,7 @@ from ..options import MGRITOptions
 from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
 from .ckpt_match import mismatches, payloads
 from .faults import phase
-from ..nn.net import alias_tied
+from ..nn.net import alias_tied, tied_conflict
 from .nets import (as_net, blocks, tied_prefixes, net_meta, owned_points, replace_solver, segments,
                    set_warm_states, solver_options, warm_states)
 
@@ -251,7 +251,7 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
         if error is None:
             head = {"net": net_meta(net), "expect": dict(expect or {}),
                     "optimizer_type": None if optimizer is None else type(optimizer).__name__}
-            bad = mismatches(ckpt, head, wants)
+            bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], tied_prefixes(net))
             if bad:
                 error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
         if error is None:

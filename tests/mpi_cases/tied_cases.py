@@ -182,6 +182,19 @@ def check_errors():
             msgs.append(str(e)[:60])
             continue
         raise AssertionError(f"no ValueError for {words}")
+    # a state dict giving tied layers different values (an untied network's) is refused
+    net, _, _ = _nets("groups", 2, True)
+    state = net.gather_state_dict()
+    if state is not None:
+        state = dict(state)
+        state["2.F.linear.weight"] = state["2.F.linear.weight"] + 1.0
+    try:
+        net.load_global_state_dict(state)
+    except ValueError as e:
+        assert "weight-tied" in str(e) and "2.F.linear.weight" in str(e), str(e)
+        msgs.append(str(e)[:60])
+    else:
+        raise AssertionError("conflicting tied values accepted")
     # a group whose layers use different modules (constructor, not build)
     if COMM.Get_size() >= 1:
         try:
@@ -258,3 +271,25 @@ def check_checkpoint():
         os.remove(path)
         os.rmdir(os.path.dirname(path))
     return "ok"
+
+
+def check_job_tied_resnet():
+    """The main job's --tied ResNet (mgrit.training.models, moved to float64 with .to()):
+    layer-parallel gradients equal its serial twin's, one step module for all layers."""
+    from mgrit.training.jobconfig import JobConfig
+    from mgrit.training.models import build_model
+    cfg = JobConfig(tied=True, layers=5, width=4, tol=1e-13, levels=2, cfactor=2, seed=2)
+    net = build_model("resnet", cfg, (1, 8, 8), 3, comm=COMM).to(DT)
+    ser = build_model("resnet", cfg, (1, 8, 8), 3).to(DT)
+    assert len({id(m) for m in ser[1:-1]}) == cfg.layers  # ResidualSteps...
+    assert len({id(m.F) for m in ser[1:-1]}) == 1  # ... of one step module
+    x, y = _rand(6, 1, 8, 8, seed=5), torch.tensor([0, 1, 2, 0, 1, 2])
+    net.loss(net(x), y).backward()
+    F.cross_entropy(ser(x), y).backward()
+    sp = dict(ser.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for key, p in net.named_global_parameters():
+        worst = max(worst, _rel(p, sp[key]), _rel(p.grad, sp[key].grad))
+    worst = COMM.allreduce(worst, op=MPI.MAX)
+    assert worst < 1e-9, worst
+    return f"{worst:.1e}"
