@@ -9,7 +9,8 @@ of 3 layers (one group spans two ranks) plus an untied layer, one shared transfo
 Also: a drifted replica is detected, bad ``tie`` values and undeclared sharing raise one
 ValueError on every rank, a checkpoint saved on 2 ranks loads on 3 (weights and momentum
 equal, one stored copy per tie group); the main job's ``--tied`` ResNet equals its serial twin
-(2 ranks). One MPI job per rank count 2-4; one rank runs in the
+(2 ranks); 2 layer ranks x 2 data-parallel replicas in the Trainer equal serial full-batch
+training. One MPI job per rank count 2-4; one rank runs in the
 test process.
 """
 import pytest
@@ -22,7 +23,7 @@ BATCH = MPIBatch()
 CASES = {
     2: [("one", 2, True), ("groups", 1, True), ("albert", 2, True)],
     3: [("groups", 2, True), ("groups", 2, False), ("one", 1, True)],
-    4: [("groups", 2, True)],
+    4: [("groups", 2, True), ("groups", 1, True)],
 }
 for k, cases in CASES.items():
     for kind, levels, batched in cases:
@@ -31,6 +32,7 @@ for k, cases in CASES.items():
 BATCH.add(2, "replica_drift", f"{C}:check_replica_drift_detected")
 BATCH.add(2, "job_tied_resnet", f"{C}:check_job_tied_resnet")
 BATCH.add(3, "errors", f"{C}:check_errors")
+BATCH.add(4, "tied_with_2_replicas", f"{C}:check_tied_with_replicas")
 BATCH.add(3, "checkpoint_2_to_3_ranks", f"{C}:check_checkpoint")
 
 

@@ -293,3 +293,34 @@ def check_job_tied_resnet():
     worst = COMM.allreduce(worst, op=MPI.MAX)
     assert worst < 1e-9, worst
     return f"{worst:.1e}"
+
+
+def check_tied_with_replicas():
+    """Weight-tied layers on 2 layer ranks x 2 data-parallel replicas, trained by the Trainer
+    (tied sum over the layer ranks in the backward, then the replicas' average): parameters
+    after 3 steps equal serial full-batch training."""
+    from mgrit.training import Trainer
+    grid = ProcessGrid(data_parallel=2)
+    make, tie, ref_layers, shape, _ = _case("groups")
+    torch.manual_seed(11)
+    opening, closing = nn.Linear(3, W).to(DT), nn.Linear(W, 2).to(DT)
+    serial = nn.Sequential(copy.deepcopy(opening), *[ResidualStep(s, T / N) for s in ref_layers],
+                           copy.deepcopy(closing))
+    seg = LayerParallelResNet.build(make, N, shape, comm=grid.layer_comm, T=T, tie=tie,
+                                    forward=_opts(2), backward=_opts(2))
+    net = LayerParallelNet(opening, seg, closing)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9), grid)
+    sopt = torch.optim.SGD(serial.parameters(), lr=0.2, momentum=0.9)
+    x, y = _rand(8, 3, seed=4), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+    half = slice(4 * grid.data_rank, 4 * grid.data_rank + 4)
+    for _ in range(3):
+        trainer.step(x[half], y[half], weight=0.5)
+        sopt.zero_grad()
+        F.cross_entropy(serial(x), y).backward()
+        sopt.step()
+    sp = dict(serial.named_parameters(remove_duplicate=False))
+    worst = max(_rel(p, sp[k]) for k, p in net.named_global_parameters())
+    worst = grid.comm.allreduce(worst, op=MPI.MAX)
+    seg.check_tied_replicas()
+    assert worst < 1e-9, worst
+    return f"{worst:.1e}"
