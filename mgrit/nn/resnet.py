@@ -258,7 +258,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
         are not bitwise identical across the layer ranks (collective: one ``allgather``;
         nothing to do without ties spanning ranks)."""
         if self._tied is not None and self._tied.spanning:
-            raise_agreed(self.comm, self._tied.replica_error())
+            error = self._tied.replica_error()  # from one allgather: the same on every rank
+            if error:
+                raise ValueError(error)
 
     def _collect_parameters(self) -> None:
         """The unique parameters (autograd inputs) and, per layer and parameter of that layer,

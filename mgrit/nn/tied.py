@@ -46,12 +46,10 @@ communicator, whichever ranks hold the groups (a rank holding none sends zeros).
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import torch
 from mpi4py import MPI
-
-from ..comm import raise_agreed
 
 __all__ = ["tie_groups", "TiedLayers", "TiedSync"]
 
@@ -182,7 +180,9 @@ class TiedLayers:
             error = (f"tied parameters have dtypes {sorted(map(str, dts))}: tied layers across "
                      f"ranks need one dtype, float32 or float64")
         layouts = self.comm.allgather((mine, error))
-        raise_agreed(self.comm, error)  # one rank's dtype error on every rank
+        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(layouts) if e]
+        if errors:  # one rank's error on every rank
+            raise ValueError("; ".join(errors))
         layout: dict = {}
         for r, (part, _) in enumerate(layouts):
             for g, sig in part.items():
@@ -192,6 +192,9 @@ class TiedLayers:
                                      f"({layout[g][1]} vs {sig}): every rank must build the same "
                                      f"module for a group")
         dtypes = {d for _, sig in layout.values() for _, _, d in sig}
+        if len(dtypes) > 1:
+            raise ValueError(f"tied parameters have dtypes {sorted(dtypes)} on different ranks: "
+                             f"tied layers across ranks need one dtype, float32 or float64")
         self.dtype = getattr(torch, dtypes.pop().split(".")[-1]) if dtypes else None
         self.slots, off = [], 0
         for g in self.spanning:
