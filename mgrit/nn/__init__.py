@@ -9,7 +9,10 @@ reference), the step modules :class:`DenseStep`, :class:`ConvStep`, :class:`TwoC
 importable from here: :class:`SmoothReLU`, :class:`ResidualStep`, :func:`layer_seed`. Depth
 transfer of weights between networks of N and f*N layers (multilevel initialization, Cyr,
 Guenther, Schroder 2019; MG/Opt) is in :mod:`mgrit.nn.depth` (``prolong``, ``restrict``,
-``transfer_weights``, ``DepthTransfer``).
+``transfer_weights``, ``DepthTransfer``). Weight-tied layers, also across ranks
+(``LayerParallelResNet.build(..., tie=lambda k: 0)``: one module for every layer; replicas
+kept identical, gradients summed over the layer ranks inside the backward) are in
+:mod:`mgrit.nn.tied`.
 Depends on torch, mpi4py and the solver core (``mgrit.comm``, ``grid``,
 ``options``, ``solver``); never imports ``mgrit.parallel``, ``mgrit.training`` or
 ``experiments``. Uses only the layer communicator handed to each segment (never

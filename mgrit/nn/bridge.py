@@ -137,8 +137,11 @@ def node_backward(model, ctx, grad) -> tuple:
     ns = len(ctx.stack_names)  # saved: states, stacked tensors[, parameters (version check)]
     states = saved[0]
     tensors = {k: t.detach() for k, t in zip(ctx.stack_names, saved[1:1 + ns])}
+    ties = model._tied if model._tied is not None and model._tied.size else None
     if ctx.stacked_inputs:
         gx0, grads = _adjoint(model, states, tensors, grad, need_x, "stacked")
+        if ties is not None:  # weight-tied groups across ranks: the sum over the ranks
+            grads = ties.reduce_stacked_grads(list(grads))
         return (gx0, *[g if w else None for g, w in zip(grads, need_p)])
     index = ctx.param_index
     tied = len(index) != len(need_p)
@@ -156,6 +159,9 @@ def node_backward(model, ctx, grad) -> tuple:
         for i, g in zip(index, flat):
             if g is not None:
                 pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+    if ties is not None:  # weight-tied groups across ranks: the sum over the ranks
+        ties.reduce_parameter_grads(pgrads, {id(p): i for i, p in enumerate(model._params)})
+        pgrads = [g if w else None for g, w in zip(pgrads, need_p)]
     return (gx0, *pgrads)
 
 

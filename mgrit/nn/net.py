@@ -63,7 +63,38 @@ from .segments import first_rank, gap_error, last_rank, layout, steps_error, str
 from .steps import ResidualStep
 from .stochastic import seed_serial
 
-__all__ = ["LayerParallelNet"]
+__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict"]
+
+
+def tied_conflict(state: dict, prefixes: dict) -> str | None:
+    """A message when ``state`` gives a weight-tied layer other values than its group's first
+    layer (e.g. a state dict of an untied network: loading it would make the replicas differ),
+    else ``None``. ``prefixes``: :meth:`LayerParallelNet.tied_prefixes`."""
+    for key, t in state.items():
+        i, _, rest = key.partition(".")
+        pre0 = prefixes.get(f"{i}.F.") if rest.startswith("F.") else None
+        ref = None if pre0 is None else state.get(pre0 + rest[2:])
+        if ref is not None and t is not ref and not (
+                torch.is_tensor(t) and torch.is_tensor(ref) and t.shape == ref.shape
+                and torch.equal(t, ref)):
+            return (f"{key!r} differs from {pre0 + rest[2:]!r}, but the two layers are weight-"
+                    f"tied (one module): give every layer of a tie group the same values (a "
+                    f"state dict of the untied network does not fit a tied one)")
+    return None
+
+
+def alias_tied(state: dict, prefixes: dict) -> dict:
+    """``state`` with each tied layer's entries replaced by its group's first layer's tensor
+    objects (``prefixes``: :meth:`LayerParallelNet.tied_prefixes`), so that saving it writes
+    one copy; keys unchanged."""
+    if not prefixes:
+        return state
+    for key in list(state):
+        i, _, rest = key.partition(".")
+        pre0 = prefixes.get(f"{i}.F.")
+        if pre0 is not None and rest.startswith("F.") and pre0 + rest[2:] in state:
+            state[key] = state[pre0 + rest[2:]]
+    return state
 
 
 class LayerParallelNet(nn.Module):
@@ -280,10 +311,25 @@ class LayerParallelNet(nn.Module):
         mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
         pieces = self.comm.allgather(mine)
         layers = dict(item for piece in pieces for item in piece)
-        out = nn.Sequential(*[copy.deepcopy(layers[i]) for i in range(len(layers))])
+        for key, key0 in self.tied_prefixes().items():  # one module per tie group
+            i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
+            layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+        out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
         for part in self._parts:  # Dropout/DropPath: each segment's layers draw its masks
             if part.is_segment:
                 seed_serial(out[part.offset:part.offset + part.module.n_layers])
+        return out
+
+    def tied_prefixes(self) -> dict:
+        """``{"{o+k}.F.": "{o+k0}.F."}``: the global key prefix of every weight-tied layer
+        (``LayerParallelResNet(tie=...)``) that is not its group's first layer, mapped to the
+        first layer's (local, no communication; empty without ties)."""
+        out = {}
+        for part in self._parts:
+            if part.is_segment:
+                o = part.offset
+                out.update({f"{o + k}.F.": f"{o + k0}.F."
+                            for k, k0 in part.module.tied_sources().items()})
         return out
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
@@ -295,7 +341,7 @@ class LayerParallelNet(nn.Module):
             return None
         merged = [(k, v) for p in parts for k, v in p.items()]  # in to_serial() order:
         merged.sort(key=lambda kv: int(kv[0].split(".", 1)[0]))  # stable within a layer
-        return dict(merged)
+        return alias_tied(dict(merged), self.tied_prefixes())
 
     def load_global_state_dict(self, state: dict | None, root: int = 0,
                                strict: bool = True) -> None:
@@ -304,7 +350,8 @@ class LayerParallelNet(nn.Module):
 
         Raises:
             KeyError: (every rank) missing keys, or with ``strict`` keys that no part of the
-                network has. ValueError: (every rank) an entry whose shape differs.
+                network has. ValueError: (every rank) an entry whose shape differs, or
+                weight-tied layers (``tie``) given different values.
         """
         want = {k: tuple(t.shape) for k, t in self._local_state().items()}
         wants = self.comm.gather(want, root=root)
@@ -319,7 +366,10 @@ class LayerParallelNet(nn.Module):
                 extra = [k for k in state if k not in known] if strict else []
                 bad = [f"{k}: {tuple(state[k].shape)} vs {s}" for k, s in known.items()
                        if k in state and tuple(state[k].shape) != s]
-                if missing or extra:
+                conflict = None if missing else tied_conflict(state, self.tied_prefixes())
+                if conflict:
+                    error = ("value", conflict)
+                elif missing or extra:
                     error = ("key", f"state dict: missing keys {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}, unexpected keys "
                                     f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")

@@ -49,12 +49,14 @@ import contextlib
 import time
 
 import torch
+from torch.func import functional_call
 
 from ..comm import Exchanger
 from ..solver import MGRITResult
 from ..stats import SolverStats
 from .agreement import agree_backward, saved_or_error
 from .bridge import _WHAT, _version, version_error
+from .tied import TiedSync
 
 __all__ = ["one_level", "pipelined_forward"]
 
@@ -210,13 +212,18 @@ def _forward(model, x0, batch: int) -> torch.Tensor:
         p.versions = tuple(map(_version, p.checked))
         p.need_local = (model.is_first and x0.requires_grad) or any(
             q.requires_grad for q in model._params)
-        u = x_in = _Enter.apply(p, model._token, x0)
+        token, subs = model._token, None
+        tied = model._tied
+        if tied is not None and tied.size:  # tie groups across ranks: summed in TiedSync
+            token, *aliases = TiedSync.apply(tied, token, *tied.local_parameters())
+            subs = tied.substitutions(aliases, model.steps)
+        u = x_in = _Enter.apply(p, token, x0)
     else:
-        u = p.enter(x0)
+        u, subs = p.enter(x0), None
     states = [u]
     h = model.h
-    for s in model.steps:  # ResidualStep's operations: bitwise serial autograd
-        u = u + h * s(u)
+    for j, s in enumerate(model.steps):  # ResidualStep's operations: bitwise serial autograd
+        u = u + h * (s(u) if subs is None or subs[j] is None else functional_call(s, subs[j], (u,)))
         states.append(u)
     out = _Exit.apply(p, u, (x_in,)) if grad else p.exit(u)
     with torch.no_grad():

@@ -56,6 +56,7 @@ from .controls import SolverControls
 from .pipelined import one_level, pipelined_forward
 from .seeding import layer_seed, make_layers, serial_resnet
 from .steps import ResidualStep
+from .tied import TiedLayers, tie_groups
 
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
 
@@ -73,10 +74,10 @@ class LayerParallelResNet(SolverControls, nn.Module):
             torch's ``nn.Dropout*`` (a new mask at every application) raise ValueError.
             Layers may share parameters (the same ``Parameter`` object, e.g. one module for
             every layer) with ``P = 1``: gradients are summed as serial autograd sums them.
-            With ``P > 1`` each rank would hold and train its own copy, so sharing is refused
-            (ValueError on every rank) where it is visible: between layers of one rank here,
-            and any parameter not created by ``make_step(k)`` in :meth:`build`. Frozen
-            parameters (``requires_grad=False``) get no gradient and cost no work.
+            With ``P > 1`` sharing must be declared with ``tie`` (below); undeclared sharing
+            is refused (ValueError on every rank) where it is visible: between layers of one
+            rank here, and any parameter not created by ``make_step(k)`` in :meth:`build`.
+            Frozen parameters (``requires_grad=False``) get no gradient and cost no work.
         n_layers: ``N``, the global number of residual layers (``>= P``).
         state_shape: shape of one sample's state, e.g. ``(width,)`` or ``(C, H, W)``.
         T: final time (default 1.0); ``h = T / N``.
@@ -94,6 +95,18 @@ class LayerParallelResNet(SolverControls, nn.Module):
             (Guenther et al.'s simultaneous training warm-starts both directions; default
             False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
+        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.tied`): ``None`` (default:
+            none), a function of the **global** layer index ``k -> group key`` or a sequence
+            of ``N`` keys (``None``: untied). ``tie=lambda k: 0``: every layer uses one module
+            (a time-invariant ODE network, ALBERT); ``tie=lambda k: k // 4``: groups of four
+            layers, a group may span two ranks. The layers of a group on one rank must be the
+            same module (:meth:`build` makes them so); each rank holding a group keeps a
+            replica, made bitwise identical at construction (the values of the rank holding
+            the group's first layer) and kept so: the backward itself sums each group's
+            gradient over the layer ranks (one ``Allreduce`` per backward), so ``.grad`` is
+            the serial gradient on every rank, with no extra call. ValueError (every rank):
+            sharing that ``tie`` does not declare, a group whose layers use different
+            parameters, replicas of different shapes or dtypes.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -122,7 +135,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
                  comm: MPI.Comm | None = None, forward: MGRITOptions | None = None,
                  backward: MGRITOptions | None = None, adjoint: str = "mgrit",
                  warm_start: bool | None = None, partition: Partition | None = None,
-                 warm_start_adjoint: bool = False):
+                 warm_start_adjoint: bool = False, tie=None):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -152,7 +165,13 @@ class LayerParallelResNet(SolverControls, nn.Module):
         self.steps = nn.ModuleList(steps)
         self._noise = stochastic.NoiseSource()  # the forward's seed for Dropout/DropPath
         self._rng_error = None
+        self._groups, self._tied = None, None
+        try:
+            self._groups = tie_groups(tie, n_layers)
+        except ValueError as exc:
+            error = error or str(exc)
         raise_agreed(self.comm, error or self._structure_error())  # same message everywhere
+        self._setup_ties()
         self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
         self._collect_parameters()
         self.n_layers, self.T, self.h = n_layers, float(T), float(T) / n_layers
@@ -185,28 +204,43 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int, state_shape,
-              comm: MPI.Comm | None = None, seed: int = 0, **kwargs) -> "LayerParallelResNet":
+              comm: MPI.Comm | None = None, seed: int = 0, tie=None,
+              **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
         weights do not depend on the number of ranks) and wrap them. The caller's RNG states
         (CPU, and CUDA when initialized) are the same after ``build`` as before: whatever is
         created afterwards does not depend on the number of ranks either.
 
-        With ``P > 1`` every parameter of layer ``k`` must be created by the call
+        ``tie`` (see the class): a group's module is made once per rank, by
+        ``make_step(k0)`` seeded with ``layer_seed(seed, k0)`` (``k0``: the group's first
+        layer), and used for all its layers there; :func:`serial_resnet` with the same
+        ``tie`` builds the same weights. ``make_step`` may also return one module made
+        elsewhere (``lambda k: shared``); the replicas then get the values of the rank
+        holding ``k0``.
+
+        With ``P > 1`` every parameter of an untied layer ``k`` must be created by the call
         ``make_step(k)`` (ValueError on every rank otherwise): a parameter made elsewhere may be
-        shared with layers of other ranks, where each rank would train its own copy. To start
-        from given weights, build and then :meth:`load_global_state_dict`."""
+        shared with layers of other ranks, where each rank would train its own copy (declare
+        it with ``tie``). To start from given weights, build and then
+        :meth:`load_global_state_dict`."""
         comm = MPI.COMM_SELF if comm is None else comm
         part = kwargs.pop("partition", None) or Partition.even(n_layers, comm.Get_size())
         a, b = part.block(comm.Get_rank())
-        steps, foreign = make_layers(make_step, range(a, min(b, n_layers)), seed)
+        try:
+            groups = tie_groups(tie, n_layers)
+        except ValueError as exc:
+            raise_agreed(comm, str(exc))
+        steps, foreign = make_layers(make_step, range(a, min(b, n_layers)), seed, groups)
+        if groups is not None:  # a tied layer's parameters are the group's: never foreign
+            foreign = [(k, n) for k, n in foreign if groups[k] is None]
         if comm.Get_size() > 1:
             raise_agreed(comm, None if not foreign else (
                 f"parameter {foreign[0][1]!r} of layer {foreign[0][0]} was not created by "
                 f"make_step({foreign[0][0]}) (it is shared with a module built elsewhere): with "
                 f"P = {comm.Get_size()} layer ranks a parameter shared between layers would be "
                 f"a separate copy on every rank; create each layer's parameters inside "
-                f"make_step, or use P = 1 for shared parameters"))
-        return cls(steps, n_layers, state_shape, comm=comm, partition=part, **kwargs)
+                f"make_step, declare the sharing with tie=..., or use P = 1"))
+        return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
 
     # -- structure of the step modules ----------------------------------------------------
     def _structure_error(self) -> str | None:
@@ -218,6 +252,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
                  or stochastic.attach(self.steps, self.first, self._noise)[1])
         if error:
             return error
+        if self._groups is not None:
+            return TiedLayers(self._groups, self.steps, self.first, self.partition,
+                              self.comm).structure_error(self.steps)
         if self.comm.Get_size() > 1:
             owner = {}
             for k, s in enumerate(self.steps):
@@ -227,10 +264,28 @@ class LayerParallelResNet(SolverControls, nn.Module):
                         return (f"layers {self.first + j} and {self.first + k} share the "
                                 f"parameter {first_name!r} (the same Parameter object): "
                                 f"parameters shared between layers are supported on one layer "
-                                f"rank only, since with P = {self.comm.Get_size()} every rank "
-                                f"would hold and update its own copy; give each layer its own "
-                                f"parameters or use P = 1")
+                                f"rank only, unless declared with tie=... (with P = "
+                                f"{self.comm.Get_size()} every rank holds a copy, which tie "
+                                f"keeps identical); declare it with tie, give each layer its "
+                                f"own parameters or use P = 1")
         return None
+
+    def _setup_ties(self) -> None:
+        """The tie groups' replicas and gradient layout (collective; see :mod:`.tied`)."""
+        if self._groups is None:
+            self._tied = None
+            return
+        self._tied = TiedLayers(self._groups, self.steps, self.first, self.partition, self.comm)
+        self._tied.setup()
+
+    def check_tied_replicas(self) -> None:
+        """Raise ``ValueError`` on every rank if the replicas of a weight-tied group (``tie``)
+        are not bitwise identical across the layer ranks (collective: one ``allgather``;
+        nothing to do without ties spanning ranks)."""
+        if self._tied is not None and self._tied.spanning:
+            error = self._tied.replica_error()  # from one allgather: the same on every rank
+            if error:
+                raise ValueError(error)
 
     def _collect_parameters(self) -> None:
         """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
@@ -260,13 +315,17 @@ class LayerParallelResNet(SolverControls, nn.Module):
         unsupported modules and parameters shared across layers (a ValueError on every rank).
         Collective over the layer communicator."""
         raise_agreed(self.comm, self._structure_error())
+        self._setup_ties()
         self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
         self._restructure()
 
     def _restructure(self) -> None:
         """Rebuild what was derived from the step modules: the parameter lists, the batched
-        chain (batching proof, stacked tensors) and the fingerprint. Local (no message)."""
+        chain (batching proof, stacked tensors), the tie groups' parameter references and the
+        fingerprint. Local (no message)."""
         self._collect_parameters()
+        if self._tied is not None and self._params:
+            self._tied.rebind(self.steps, self._params[0].dtype, self._params[0].device)
         self._chain.rebuild(self.steps)
         self._fingerprint.take(training=self._reads_training())
 
@@ -399,6 +458,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
             for solver in (self._fsolver, self._bsolver):
                 solver.dtype, solver.device = self.dtype, self.device
             self._token = torch.zeros(0, device=self.device, requires_grad=True)
+        if self._tied is not None:
+            self._tied.rebind(self.steps, self.dtype, self.device)
         self._warm = self._warm_adj = None
         return self
 
@@ -409,23 +470,52 @@ class LayerParallelResNet(SolverControls, nn.Module):
         usable without MPI afterwards)."""
         pieces = self.comm.allgather([(self.first + j, plain_module(s))
                                       for j, s in enumerate(self.steps)])
-        layers = sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0])
-        copies = copy.deepcopy([s for _, s in layers])  # one memo: ties are kept
+        layers = dict(sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0]))
+        for k, k0 in self.tied_sources().items():  # one module per tie group, as in serial
+            layers[k] = layers[k0]
+        copies = copy.deepcopy(list(layers.values()))  # one memo: ties are kept
         layers = [ResidualStep(s, self.h) for s in copies]
         stochastic.seed_serial(layers)  # Dropout/DropPath: the same masks from the same seed
         return nn.Sequential(*layers)
 
+    def tied_sources(self) -> dict:
+        """``{k: k0}`` for every tied layer ``k`` that is not its group's first layer ``k0``
+        (global; empty without ``tie``)."""
+        if self._groups is None:
+            return {}
+        first = {}
+        for k, g in enumerate(self._groups):
+            if g is not None:
+                first.setdefault(g, k)
+        return {k: first[g] for k, g in enumerate(self._groups)
+                if g is not None and first[g] != k}
+
     def gather_state_dict(self, root: int = 0) -> dict | None:
-        """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective)."""
+        """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective).
+        Tied layers' keys map to one tensor object (their group's first layer's)."""
         local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
                  for j, s in enumerate(self.steps) for n, t in plain_module(s).state_dict().items()}
         parts = self.comm.gather(local, root=root)
-        return None if parts is None else {k: v for p in parts for k, v in p.items()}
+        if parts is None:
+            return None
+        state = {k: v for p in parts for k, v in p.items()}
+        for k, k0 in self.tied_sources().items():
+            for key in [x for x in state if x.startswith(f"{k}.")]:
+                state[key] = state[f"{k0}.{key[len(str(k)) + 1:]}"]
+        return state
 
     def load_global_state_dict(self, state: dict | None, root: int = 0) -> None:
         """Inverse of :meth:`gather_state_dict`: ``state`` on ``root`` is scattered and each
-        rank loads its layers (collective). Raises KeyError naming a missing layer."""
+        rank loads its layers (collective). Raises KeyError naming a missing layer; ValueError
+        (every rank) when weight-tied layers get different values."""
         state = self.comm.bcast(state, root=root)
+        for k, k0 in self.tied_sources().items():  # the same verdict on every rank
+            for name in [x[len(str(k)) + 1:] for x in state if x.startswith(f"{k}.")]:
+                a, b = state[f"{k}.{name}"], state.get(f"{k0}.{name}")
+                if b is not None and a is not b and not torch.equal(a, b):
+                    raise ValueError(f"state entry '{k}.{name}' differs from '{k0}.{name}', but "
+                                     f"layers {k} and {k0} are weight-tied (one module): give "
+                                     f"every layer of a tie group the same values")
         for j, s in enumerate(self.steps):
             k, s = self.first + j, plain_module(s)
             mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}

@@ -14,6 +14,7 @@ from torch.nn.modules import module as _torch_module
 
 from .steps import ResidualStep
 from .stochastic import seed_serial
+from .tied import tie_groups
 
 __all__ = ["layer_seed", "make_layers", "serial_resnet"]
 
@@ -42,12 +43,18 @@ def _seed_layer(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int):
+def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int, groups=None):
     """``make_step(k)`` for ``k`` in ``layers``, each seeded by :func:`layer_seed`; the
     caller's RNG states are unchanged afterwards. Returns ``(steps, foreign)``: ``foreign``
     lists ``(k, name)`` of parameters of layer ``k`` that ``make_step(k)`` did not create
-    (shared with modules built elsewhere)."""
+    (shared with modules built elsewhere). ``groups``: tie groups per global layer
+    (:func:`mgrit.nn.tied.tie_groups`): a group's module is ``make_step(k0)`` seeded with
+    ``layer_seed(seed, k0)`` (``k0`` its first layer), made once and used for its layers."""
     steps, foreign, made = [], [], set()
+    first, module = {}, {}
+    for k, g in enumerate(groups or ()):
+        if g is not None:
+            first.setdefault(g, k)
 
     def record(module, name, param):
         if param is not None:
@@ -57,9 +64,16 @@ def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int):
     try:
         with _caller_rng_kept():
             for k in layers:
+                g = None if groups is None else groups[k]
+                if g is not None and g in module:
+                    steps.append(module[g])
+                    continue
+                src = k if g is None else first[g]
                 made.clear()
-                _seed_layer(layer_seed(seed, k))
-                step = make_step(k)
+                _seed_layer(layer_seed(seed, src))
+                step = make_step(src)
+                if g is not None:
+                    module[g] = step
                 steps.append(step)
                 foreign += [(k, n) for n, p in step.named_parameters() if id(p) not in made]
     finally:
@@ -68,11 +82,11 @@ def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int):
 
 
 def serial_resnet(make_step: Callable[[int], nn.Module], n_layers: int, T: float = 1.0,
-                  seed: int = 0) -> nn.Sequential:
+                  seed: int = 0, tie=None) -> nn.Sequential:
     """The serial reference: ``nn.Sequential`` of ``ResidualStep(make_step(k), T/N)`` with the
-    same per-layer seeds as :meth:`LayerParallelResNet.build` (the caller's RNG state is left
-    unchanged)."""
-    steps, _ = make_layers(make_step, range(n_layers), seed)
+    same per-layer seeds (and ``tie`` groups, one module per group) as
+    :meth:`LayerParallelResNet.build` (the caller's RNG state is left unchanged)."""
+    steps, _ = make_layers(make_step, range(n_layers), seed, tie_groups(tie, n_layers))
     layers = [ResidualStep(s, T / n_layers) for s in steps]
     seed_serial(layers)  # Dropout/DropPath: the segment's masks from the same seed
     return nn.Sequential(*layers)

@@ -42,7 +42,8 @@ from ..options import MGRITOptions
 from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
 from .ckpt_match import mismatches, payloads
 from .faults import phase
-from .nets import (as_net, blocks, net_meta, owned_points, replace_solver, segments,
+from ..nn.net import alias_tied, tied_conflict
+from .nets import (as_net, blocks, tied_prefixes, net_meta, owned_points, replace_solver, segments,
                    set_warm_states, solver_options, warm_states)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "CheckpointError", "FORMAT"]
@@ -106,7 +107,17 @@ def _optimizer_local(optimizer, keys) -> dict:
 
 
 def _param_keys(net) -> dict:
-    return {id(p): prefix + n for prefix, m in blocks(net) for n, p in m.named_parameters()}
+    """Global key of each of this rank's parameters; a weight-tied parameter gets its group's
+    first layer's key (the same on every rank holding it, whatever the partition)."""
+    tied = tied_prefixes(net)
+    return {id(p): _canonical(prefix + n, tied) for prefix, m in blocks(net)
+            for n, p in m.named_parameters()}
+
+
+def _canonical(key: str, tied: dict) -> str:
+    i, _, rest = key.partition(".")
+    pre0 = tied.get(f"{i}.F.") if rest.startswith("F.") else None
+    return key if pre0 is None else pre0 + rest[2:]
 
 
 def _local_part(net, optimizer, grid, rank_extra) -> dict:
@@ -114,14 +125,19 @@ def _local_part(net, optimizer, grid, rank_extra) -> dict:
     part = {"rng": rng_state(), "extra": dict(rank_extra or {}), "data_rank": drank,
             "model": None, "optimizer": None, "warm": None}
     if drank == 0:
-        part["model"] = {prefix + n: t.detach().cpu().clone() for prefix, m in blocks(net)
-                         for n, t in m.state_dict().items()}
+        copies, model = {}, {}  # one copy of a tensor listed under several keys (tied)
+        for prefix, m in blocks(net):
+            for n, t in m.state_dict(keep_vars=True).items():  # the tensors: stable ids
+                if id(t) not in copies:
+                    copies[id(t)] = t.detach().cpu().clone()
+                model[prefix + n] = copies[id(t)]
+        part["model"] = model
         part["optimizer"] = _optimizer_local(optimizer, _param_keys(net))
     ws = warm_states(net)
     if any(w is not None for w in ws):
         part["warm"] = ws
     if comm.Get_rank() == 0:
-        part["head"] = {"net": net_meta(net),
+        part["head"] = {"net": net_meta(net), "tied": tied_prefixes(net),
                         "optimizer_type": None if optimizer is None else type(optimizer).__name__,
                         "options": [{"forward": _options_dict(f), "backward": _options_dict(b)}
                                     for f, b in solver_options(net)]}
@@ -184,6 +200,7 @@ def _assemble(parts, grid, extra) -> dict:
     ckpt = {"format": FORMAT, "grid": [P_L, P_D], "net": head["net"], "model": {},
             "optimizer": {"type": head["optimizer_type"], "state": {}, "groups": {}},
             "options": head["options"], "warm": None, "ranks": [], "extra": dict(extra or {})}
+    tied = head.get("tied") or {}
     for _, p in parts:
         ckpt["ranks"].append({"rng": p["rng"], "extra": p["extra"]})
         if p["model"] is not None:
@@ -195,6 +212,7 @@ def _assemble(parts, grid, extra) -> dict:
             merged = ckpt["warm"].setdefault(p["data_rank"], [{} for _ in p["warm"]])
             for k, w in enumerate(p["warm"]):
                 merged[k].update(w or {})
+    alias_tied(ckpt["model"], tied)  # weight-tied layers: one tensor object, saved once
     return ckpt
 
 
@@ -224,7 +242,8 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
     rank = comm.Get_rank()
     want = {"model": {prefix + n: list(t.shape) for prefix, m in blocks(net)
                       for n, t in m.state_dict().items()},
-            "points": owned_points(net), "data_rank": drank}
+            "points": owned_points(net), "data_rank": drank,
+            "params": sorted(set(_param_keys(net).values()))}
     wants = comm.gather(want, root=0)
     error, plans = None, None
     if rank == 0:
@@ -232,7 +251,7 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
         if error is None:
             head = {"net": net_meta(net), "expect": dict(expect or {}),
                     "optimizer_type": None if optimizer is None else type(optimizer).__name__}
-            bad = mismatches(ckpt, head, wants)
+            bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], tied_prefixes(net))
             if bad:
                 error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
         if error is None:

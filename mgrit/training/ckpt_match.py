@@ -118,9 +118,11 @@ def payloads(ckpt: dict, wants: list, new_grid: tuple, restore_warm: bool, kind:
                     notes.append(_DROPPED)
         keys = w["model"]
         src = ranks[r] if r < len(ranks) else ranks[0]
+        pkeys = set(keys) | set(w.get("params", ()))  # tied parameters: canonical keys
         out.append({"model": {k: ckpt["model"][k] for k in keys},
-                    "optimizer": {"state": {k: v for k, v in opt["state"].items() if k in keys},
-                                  "groups": {k: v for k, v in opt["groups"].items() if k in keys}},
+                    "optimizer": {"state": {k: v for k, v in opt["state"].items() if k in pkeys},
+                                  "groups": {k: v for k, v in opt["groups"].items()
+                                             if k in pkeys}},
                     "options": ckpt["options"], "warm": warm, "rng": src["rng"],
                     "rank_extra": src["extra"], "extra": ckpt["extra"], "notes": notes,
                     "saved_grid": saved_grid})

@@ -54,6 +54,10 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    "(transformers: --T N gives h = 1, the standard pre-LN transformer)")
     g.add_argument("--activation", choices=("tanh", "relu", "smoothrelu"), default=D.activation,
                    help="activation of the steps and the opening layer")
+    g.add_argument("--tied", action="store_true", help="--model resnet with weight-tied "
+                   "layers: every residual layer uses one step module (a time-invariant "
+                   "neural ODE; LayerParallelResNet tie=..., each layer rank a replica, "
+                   "gradients summed over the layer ranks in the backward)")
     g = p.add_argument_group("transformers and staged ResNet (--model vit|gpt|staged-resnet)")
     g.add_argument("--d-model", type=int, default=D.d_model, help="transformer width")
     g.add_argument("--heads", type=int, default=D.heads, help="attention heads (divide --d-model)")
@@ -120,9 +124,27 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    help="epochs (sequential: epochs per layer)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="global batch size")
     g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=D.optimizer,
-                   help="optimizer")
-    g.add_argument("--lr", type=float, default=D.lr, help="learning rate")
+                   help="optimizer: torch.optim SGD (with --momentum), Adam or AdamW (decoupled "
+                        "weight decay; with the default --weight-decay 0 it equals Adam)")
+    g.add_argument("--lr", type=float, default=D.lr, help="learning rate (the peak rate with "
+                   "--lr-schedule / --warmup-epochs)")
     g.add_argument("--momentum", type=float, default=D.momentum, help="SGD momentum")
+    g.add_argument("--weight-decay", type=float, default=D.weight_decay, help="weight decay of "
+                   "the optimizer (sgd, adam: L2 added to the gradient; adamw: decoupled); "
+                   "typical 5e-4 (sgd) / 0.01-0.05 (adamw)")
+    g.add_argument("--lr-schedule", choices=("none", "cosine", "step"), default=D.lr_schedule,
+                   help="learning-rate schedule (torch.optim.lr_scheduler, stepped after every "
+                        "optimizer step; lengths in epochs x batches per epoch; "
+                        "mgrit.training.lrschedule): cosine = CosineAnnealingLR to 0 at the end, "
+                        "step = StepLR (x --lr-gamma every --lr-step-epochs); saved in "
+                        "checkpoints, so --resume continues it exactly")
+    g.add_argument("--warmup-epochs", type=int, default=D.warmup_epochs, help="linear warm-up "
+                   "from lr/steps to lr over this many epochs before the schedule (LinearLR + "
+                   "SequentialLR); 0 = none")
+    g.add_argument("--lr-step-epochs", type=int, default=D.lr_step_epochs, help="--lr-schedule "
+                   "step: epochs between decays (counted after the warm-up)")
+    g.add_argument("--lr-gamma", type=float, default=D.lr_gamma, help="--lr-schedule step: "
+                   "decay factor in (0, 1]")
     g.add_argument("--seed", type=int, default=D.seed, help="seed of data split, batches and "
                    "weights")
     g.add_argument("--dtype", choices=("float32", "float64"), default=D.dtype,
@@ -136,6 +158,11 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    "size / dp); 0 = 1 for mgrit and decoupled, world size for serial and sequential")
     g.add_argument("--threads", type=int, default=D.threads, help="torch intra-op threads per "
                    "rank (0 = 1 when world size > 1, else torch's default)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=D.device,
+                   help="where each rank computes: cuda puts each rank on its node-local GPU "
+                        "(local rank from MPI's shared-memory split, cuda:local_rank %% "
+                        "device_count); auto = cuda when available, else cpu. The GPU path is "
+                        "NOT measured or tested in this repository (CPU-only machines)")
     g = p.add_argument_group("reliability and output")
     g.add_argument("--guard", choices=("off", "warn", "add_iterations", "serial"), default=D.guard,
                    help="--method mgrit: action when an MGRIT residual grows over 3 cycles "

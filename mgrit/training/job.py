@@ -22,13 +22,14 @@ from data import TEXT_CORPORA, load_dataset, load_text
 from data.text import corpus_text, vocabulary
 from layerwise import build_method
 
-from ..parallel import ProcessGrid
+from ..parallel import ProcessGrid, device_for_rank
 from .callbacks import ConsoleLog, ProgressBar
 from .faults import phase, set_log_dir
 from .bias import BiasMonitor
 from .guard import ConvergenceGuard
 from .jobconfig import LANGUAGE_MODELS, JobConfig
 from .lm import LanguageModelReport, lm_loss, token_accuracy
+from .lrschedule import LRSchedule
 from .metrics import MetricsWriter
 from .models import build_model
 from .multilevel_init import MultilevelMetricsWriter, run_schedule
@@ -43,9 +44,23 @@ RUNS = Path(__file__).resolve().parents[2] / "runs"
 
 #: The ``--optimizer`` choices: name -> ``(parameters, config) -> torch.optim.Optimizer``.
 OPTIMIZERS = {
-    "sgd": lambda params, c: torch.optim.SGD(params, lr=c.lr, momentum=c.momentum),
-    "adam": lambda params, c: torch.optim.Adam(params, lr=c.lr),
+    "sgd": lambda params, c: torch.optim.SGD(params, lr=c.lr, momentum=c.momentum,
+                                             weight_decay=c.weight_decay),
+    "adam": lambda params, c: torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay),
+    "adamw": lambda params, c: torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay),
 }
+
+
+def job_device(c: JobConfig, comm: MPI.Comm) -> torch.device:
+    """``--device``: ``cpu``; ``cuda`` / ``auto`` with CUDA: this rank's node-local GPU
+    (:func:`mgrit.parallel.device_for_rank`, collective over ``comm``); ``auto`` without
+    CUDA: ``cpu``. (The GPU path is not measured here.)"""
+    if c.device == "cpu":
+        return torch.device("cpu")
+    dev = device_for_rank(comm)
+    if c.device == "cuda" and dev.type != "cuda":
+        raise ValueError("--device cuda: no CUDA device is available: use --device cpu or auto")
+    return dev
 
 
 def _make_run_dir(c: JobConfig, comm: MPI.Comm) -> Path:
@@ -113,6 +128,7 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     world, rank0 = comm.Get_size(), comm.Get_rank() == 0
     say = (lambda s: print(s, flush=True)) if rank0 else (lambda s: None)
     grid = ProcessGrid(comm, data_parallel=c.dp)
+    device = job_device(c, comm)
     run = _make_run_dir(c, comm)
     set_log_dir(run)
     dtype = torch.get_default_dtype()
@@ -124,7 +140,7 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     config.update(world_size=world, P_L=grid.layer_size, P_D=grid.data_size,
                   n_train=len(train[1]), n_test=len(test[1]), input_shape=list(in_shape),
                   num_classes=num_classes, out=str(run), h=c.T / c.layers,
-                  torch_threads=torch.get_num_threads())
+                  torch_threads=torch.get_num_threads(), device_effective=str(device))
     say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {len(test[1])} test "
         f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
@@ -132,7 +148,8 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     if c.method in ("sequential", "decoupled"):
         final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load)
     else:
-        final = _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load)
+        final = _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load,
+                             device)
     num = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731  (None: no accuracy)
     say(f"[train] done in {time.perf_counter() - t0:.1f}s: loss {num(final['loss'])} train_acc "
         f"{num(final['train_acc'])} test_acc {num(final['test_acc'])} -> {run}")
@@ -140,12 +157,13 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     return final
 
 
-def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load) -> dict:
+def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load,
+                 device=None) -> dict:
     mgrit = c.method == "mgrit"
 
     def build(cfg):
         return build_model(c.model, cfg, in_shape, num_classes, comm=grid.layer_comm if mgrit
-                           else None).to(torch.get_default_dtype())
+                           else None).to(device=device, dtype=torch.get_default_dtype())
 
     def make(cfg, net, levels=None):
         return _make_trainer(cfg, grid, net, test, run, config, t_load, levels)
@@ -179,6 +197,9 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Train
     if c.dataset in SEQUENCE_TASKS:  # the adding problem: a regression (MSE, no accuracy)
         loss = regression_loss
     callbacks = [] if levels is None else [levels]
+    if c.lr_schedule != "none" or c.warmup_epochs:  # stepped after every optimizer step
+        callbacks.append(LRSchedule(c.lr_schedule, warmup_epochs=c.warmup_epochs,
+                                    step_epochs=c.lr_step_epochs, gamma=c.lr_gamma))
     if mgrit and c.guard != "off":
         callbacks.append(ConvergenceGuard(window=3, threshold=1.0, action=c.guard,
                                           log_path=str(run / "guard.jsonl")))
@@ -219,7 +240,7 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
         layers = build_model(c.model, c, in_shape, num_classes, form="layers")
         method = build_method(c.method, layers, num_classes, in_shape, grid=grid,
                               epochs=c.epochs, optimizer=c.optimizer, lr=c.lr,
-                              momentum=c.momentum, seed=c.seed,
+                              momentum=c.momentum, weight_decay=c.weight_decay, seed=c.seed,
                               cache_batch_size=c.eval_batch_size, **kw)
     extra = {"method": c.method, "load_s": t_load}
     if c.method == "sequential":  # --epochs is per layer: the loop runs the whole schedule

@@ -8,15 +8,19 @@ import math
 import os
 from dataclasses import dataclass
 
+import torch
+
 from data import available_datasets
 from data.text import TEXT_CORPORA
 
 from ..nn.depth import PROLONGATIONS
 from ..nn.gru_chains import COARSE_PROPAGATORS
 from ..options import relaxation_sweeps
+from .lrschedule import SCHEDULES
 from .multilevel_init import depth_schedule, epoch_schedule
 
-__all__ = ["JobConfig", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS"]
+__all__ = ["JobConfig", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS",
+           "DEVICES", "OPTIMIZER_NAMES"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
 BUNDLED = ("mnist5k", "digits", "peaks")
@@ -26,6 +30,10 @@ LANGUAGE_MODELS = ("gpt",)
 SEQUENCE_TASKS = ("adding",)
 #: ``--bias-monitor`` choices: off, or a :class:`~mgrit.training.bias.BiasMonitor` action.
 BIAS_ACTIONS = ("off", "log", "raise", "serial")
+#: ``--device`` choices (mgrit.parallel.device_for_rank for auto / cuda).
+DEVICES = ("auto", "cpu", "cuda")
+#: ``--optimizer`` choices (built in mgrit.training.job.OPTIMIZERS).
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 _POSITIVE = ("layers", "width", "channels", "kernel", "levels", "fwd_iters", "bwd_iters",
              "epochs", "batch_size", "eval_batch_size")
 _NON_NEGATIVE = ("limit_train", "limit_test", "seed", "threads", "dp", "stages",
@@ -84,6 +92,13 @@ class JobConfig:
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_schedule: str = "none"
+    warmup_epochs: int = 0
+    lr_step_epochs: int = 1
+    lr_gamma: float = 0.1
+    device: str = "cpu"
+    tied: bool = False
     seed: int = 0
     dtype: str = "float32"
     eval_batch_size: int = 500
@@ -140,6 +155,7 @@ class JobConfig:
             raise ValueError(f"--tol={c.tol} is not allowed: use 0 (inexact) or a number > 0")
         if not (math.isfinite(c.momentum) and 0 <= c.momentum < 1):
             raise ValueError(f"--momentum={c.momentum} is not allowed: use a number in [0, 1)")
+        self._check_training_knobs(c)
         if c.bias_monitor not in BIAS_ACTIONS:
             raise ValueError(f"--bias-monitor={c.bias_monitor!r} is not allowed: use one of "
                              f"{list(BIAS_ACTIONS)}")
@@ -165,6 +181,52 @@ class JobConfig:
         self._check_initial_guess(c)
         self._check_schedule_and_sequences(c, world // c.dp)
         return c
+
+    @staticmethod
+    def _check_training_knobs(c: "JobConfig") -> None:
+        """--optimizer, --weight-decay, --lr-schedule, --warmup-epochs, --lr-step-epochs,
+        --lr-gamma, --device, --tied."""
+        if c.optimizer not in OPTIMIZER_NAMES:
+            raise ValueError(f"--optimizer={c.optimizer!r} is not allowed: use one of "
+                             f"{list(OPTIMIZER_NAMES)}")
+        if not (math.isfinite(c.weight_decay) and c.weight_decay >= 0):
+            raise ValueError(f"--weight-decay={c.weight_decay} is not allowed: use a finite "
+                             f"number >= 0")
+        if c.lr_schedule not in SCHEDULES:
+            raise ValueError(f"--lr-schedule={c.lr_schedule!r} is not allowed: use one of "
+                             f"{list(SCHEDULES)}")
+        if c.warmup_epochs < 0:
+            raise ValueError(f"--warmup-epochs={c.warmup_epochs} is not allowed: use an int >= 0")
+        if c.lr_step_epochs < 1:
+            raise ValueError(f"--lr-step-epochs={c.lr_step_epochs} is not allowed: use an int "
+                             f">= 1")
+        if not (math.isfinite(c.lr_gamma) and 0 < c.lr_gamma <= 1):
+            raise ValueError(f"--lr-gamma={c.lr_gamma} is not allowed: use a number in (0, 1]")
+        if c.warmup_epochs and (c.warmup_epochs > c.epochs or (
+                c.warmup_epochs == c.epochs and c.lr_schedule != "none")):
+            raise ValueError(f"--warmup-epochs={c.warmup_epochs} leaves no epoch of the "
+                             f"{c.lr_schedule} schedule (--epochs {c.epochs}): use fewer "
+                             f"warm-up epochs")
+        if c.device not in DEVICES:
+            raise ValueError(f"--device={c.device!r} is not allowed: use one of {list(DEVICES)}")
+        if c.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda: no CUDA device is available to this process (torch "
+                             f"{torch.__version__}): use --device cpu or auto")
+        layerwise = c.method in ("sequential", "decoupled")
+        scheduled = c.lr_schedule != "none" or c.warmup_epochs
+        if layerwise and (scheduled or c.optimizer == "adamw" or c.device != "cpu" or c.tied):
+            what = ("--lr-schedule/--warmup-epochs" if scheduled else "--optimizer adamw"
+                    if c.optimizer == "adamw" else "--tied" if c.tied else "--device")
+            raise ValueError(f"{what} is not available with --method {c.method} (layer-wise "
+                             f"training runs its own optimizers on CPU): use --method mgrit or "
+                             f"serial")
+        if scheduled and c.multilevel_init:
+            raise ValueError("--lr-schedule/--warmup-epochs cannot be combined with "
+                             "--multilevel-init (each depth is its own fit): use one of them")
+        if c.tied and (c.model != "resnet" or c.multilevel_init):
+            raise ValueError(f"--tied is the weight-tied --model resnet (every layer one step "
+                             f"module): not --model {c.model}"
+                             + (" with --multilevel-init" if c.multilevel_init else ""))
 
     @staticmethod
     def _check_layout(c: "JobConfig", world: int) -> None:

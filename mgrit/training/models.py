@@ -110,10 +110,15 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     ``x + (T/N) F_k(x)`` (``make_step(cfg.step, features, cfg.activation, cfg.kernel)``, layer
     ``k`` seeded with :func:`~mgrit.nn.resnet.layer_seed`) -> flatten + ``Linear`` closing.
     Layer-parallel: MGRIT options from :func:`mgrit_options`, ``cfg.adjoint``,
-    ``cfg.warm_start``, ``cfg.warm_start_adjoint``. ``form="layers"``: ``[opening,
+    ``cfg.warm_start``, ``cfg.warm_start_adjoint``. ``cfg.tied`` (optional, default False):
+    every layer uses one step module (``tie=lambda k: 0``; made as layer 0's), on every rank a
+    replica kept identical (:mod:`mgrit.nn.tied`). ``form="layers"``: ``[opening,
     ResidualStep(F_0), ...]`` (no closing; layer-wise training adds heads)."""
     opening, closing, state_shape = _opening_closing(cfg, in_shape, num_classes)
     make = lambda k: make_step(cfg.step, _features(cfg), cfg.activation, cfg.kernel)  # noqa: E731
+    tie = (lambda k: 0) if getattr(cfg, "tied", False) else None  # one module, layer 0's seed
+    if form == "layers" and tie is not None:
+        raise ValueError("--tied has no layer-wise form: use --method mgrit or serial")
     if form == "layers":
         layers = [opening]
         for k in range(cfg.layers):
@@ -121,13 +126,13 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
             layers.append(ResidualStep(make(k), cfg.T / cfg.layers))
         return layers
     if comm is None:
-        return nn.Sequential(opening, *serial_resnet(make, cfg.layers, T=cfg.T, seed=cfg.seed),
-                             closing)
+        return nn.Sequential(opening, *serial_resnet(make, cfg.layers, T=cfg.T, seed=cfg.seed,
+                                                     tie=tie), closing)
     fwd, bwd = mgrit_options(cfg)
     resnet = LayerParallelResNet.build(make, cfg.layers, state_shape, comm=comm, seed=cfg.seed,
                                        T=cfg.T, forward=fwd, backward=bwd, adjoint=cfg.adjoint,
                                        warm_start=cfg.warm_start,
-                                       warm_start_adjoint=cfg.warm_start_adjoint)
+                                       warm_start_adjoint=cfg.warm_start_adjoint, tie=tie)
     return LayerParallelNet(opening, resnet, closing)
 
 

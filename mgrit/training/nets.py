@@ -91,6 +91,20 @@ def blocks(net: nn.Module) -> list:
     return [("", plain_module(net))]
 
 
+def tied_prefixes(net: nn.Module) -> dict:
+    """:meth:`LayerParallelNet.tied_prefixes` (weight-tied layers' key prefixes -> their
+    group's first layer's); empty for serial networks."""
+    return net.tied_prefixes() if isinstance(net, LayerParallelNet) else {}
+
+
+def check_tied_replicas(net: nn.Module) -> None:
+    """ValueError on every rank if a segment's weight-tied replicas differ across its layer
+    ranks (:meth:`LayerParallelResNet.check_tied_replicas`; collective, cheap: one
+    ``allgather`` per segment with ties spanning ranks, nothing otherwise)."""
+    for seg in segments(net):
+        seg.check_tied_replicas()
+
+
 def segments(net: nn.Module) -> list:
     """The LayerParallelResNet segments of ``net`` (empty for serial networks)."""
     return list(net.segments) if isinstance(net, LayerParallelNet) else []

@@ -25,8 +25,8 @@ from .epoch import EpochAccumulator, UnconvergedWarning
 from .faults import phase
 from .guard import name_nonfinite
 from .method import TrainingMethod
-from .nets import (as_net, describe_solvers, exact_tolerance, instrument, solver_results,
-                   solver_summary)
+from .nets import (as_net, check_tied_replicas, describe_solvers, exact_tolerance, instrument,
+                   solver_results, solver_summary)
 from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
 
@@ -142,6 +142,8 @@ class Trainer:
         params = list(self.net.parameters())
         self._dtype = next((p.dtype for p in params if p.is_floating_point()),
                            torch.get_default_dtype())
+        # batches go where the network is (data stay on the CPU; --device cuda)
+        self._device = next((p.device for p in params), torch.device("cpu"))
         # data-parallel: .grad tensors become views of persistent flat buffers
         self.buckets = GradientBuckets(params, self.grid.data_comm) \
             if self.grid.data_size > 1 and self.method is None else None
@@ -258,9 +260,9 @@ class Trainer:
                 x = self.method.inputs(x)
             for s in range(0, len(idx), self.eval_batch_size):
                 j = torch.as_tensor(idx[s:s + self.eval_batch_size])
-                out = self.net(x[j])
+                out = self.net(x[j].to(self._device))
                 if self.net.is_last:
-                    yj = y[j]
+                    yj = y[j].to(self._device)
                     lsum = (self.loss_fn(out, yj, reduction="sum").item() if self._sum_reduction
                             else self.loss_fn(out, yj).item() * len(yj))
                     correct = self._metric(out, yj)
@@ -349,6 +351,8 @@ class Trainer:
                 with phase("data loading"):
                     j = torch.as_tensor(idx)
                     xb, yb = xe[j], y[j]
+                    if self._device.type != "cpu":
+                        xb, yb = xb.to(self._device), yb.to(self._device)
                 rec = self._step(xb, yb, len(idx) / glen, epoch, b)
                 if rec.loss is not None:  # (a method's ranks without the output: nothing)
                     acc.add(rec, tol is not None)
@@ -370,6 +374,7 @@ class Trainer:
             for k, v in rec.metrics().items():
                 hist[k].append(v)
             self._call("on_epoch_end", rec)
+            check_tied_replicas(self.net)  # weight-tied layers across ranks: still identical
             if self.checkpoint:
                 self._save_fit(epoch + 1, 0, EpochAccumulator(), hist, expect, initial)
         final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}

@@ -1,0 +1,121 @@
+"""Learning-rate schedules of the training loop: :func:`make_scheduler` (``torch.optim.
+lr_scheduler`` objects: linear warm-up, then cosine annealing or step decay) and the
+:class:`LRSchedule` callback that steps it in :class:`~mgrit.training.Trainer` and saves its
+state in checkpoints, so ``--resume`` continues the exact learning-rate sequence.
+
+The schedule is stepped **once per optimizer step** (batch), and lengths given in epochs are
+counted in optimizer steps (``epochs x batches per epoch``); so ``step`` decays after every
+``step_epochs`` full epochs exactly as ``StepLR(step_size=step_epochs)`` stepped per epoch
+would, while cosine and the warm-up change the rate smoothly within an epoch (the usual choice,
+e.g. timm's ``t_in_epochs=False``).
+
+* ``none``: the constant ``lr`` (after the warm-up, if any).
+* ``cosine``: ``CosineAnnealingLR(T_max = (epochs - warmup) x batches, eta_min = 0)``.
+* ``step``: ``StepLR(step_size = step_epochs x batches, gamma)``.
+* warm-up (``warmup_epochs > 0``): ``LinearLR(start_factor = 1 / warmup steps, end_factor =
+  1)`` over the first ``warmup_epochs x batches`` steps, joined to the above with
+  ``SequentialLR``; the step decay counts from the end of the warm-up.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import lr_scheduler as sched
+
+__all__ = ["SCHEDULES", "make_scheduler", "LRSchedule"]
+
+#: ``--lr-schedule`` choices.
+SCHEDULES = ("none", "cosine", "step")
+
+
+def _check(kind, epochs, batches, warmup_epochs, step_epochs, gamma) -> None:
+    if kind not in SCHEDULES:
+        raise ValueError(f"lr schedule {kind!r} is not allowed: use one of {list(SCHEDULES)}")
+    for name, v, low in (("epochs", epochs, 1), ("batches per epoch", batches, 1),
+                         ("warmup_epochs", warmup_epochs, 0), ("step_epochs", step_epochs, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}={v!r} is not allowed: use an int >= {low}")
+    if warmup_epochs >= epochs and (kind != "none" or warmup_epochs > epochs):
+        raise ValueError(f"warmup_epochs={warmup_epochs} leaves no epoch of the {kind} schedule "
+                         f"(epochs={epochs}): use fewer warm-up epochs")
+    if not (isinstance(gamma, (int, float)) and math.isfinite(gamma) and 0 < gamma <= 1):
+        raise ValueError(f"gamma={gamma!r} is not allowed: use a number in (0, 1]")
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, *, epochs: int, batches: int,
+                   warmup_epochs: int = 0, step_epochs: int = 1, gamma: float = 0.1):
+    """The ``torch.optim.lr_scheduler`` of ``kind`` (see the module docstring) for a run of
+    ``epochs`` epochs of ``batches`` optimizer steps each, to be stepped after every optimizer
+    step; ``None`` for ``"none"`` without warm-up. Creating it sets the optimizer's rate to the
+    first step's (as every torch scheduler does).
+
+    Raises:
+        ValueError: an unknown kind, non-int or too small lengths, a warm-up as long as the
+            run (cosine, step), ``gamma`` outside ``(0, 1]``.
+    """
+    _check(kind, epochs, batches, warmup_epochs, step_epochs, gamma)
+    warm = warmup_epochs * batches
+    if kind == "none" and not warm:
+        return None
+    main = None
+    if kind == "cosine":
+        main = sched.CosineAnnealingLR(optimizer, T_max=(epochs - warmup_epochs) * batches)
+    elif kind == "step":
+        main = sched.StepLR(optimizer, step_size=step_epochs * batches, gamma=gamma)
+    if not warm:
+        return main
+    ramp = sched.LinearLR(optimizer, start_factor=1.0 / warm, end_factor=1.0, total_iters=warm)
+    if main is None:
+        return ramp  # after warm steps LinearLR keeps the full rate
+    return sched.SequentialLR(optimizer, [ramp, main], milestones=[warm])
+
+
+class LRSchedule:
+    """Trainer callback: builds :func:`make_scheduler` for the trainer's optimizer when the fit
+    starts (it needs the number of batches per epoch), steps it after every optimizer step,
+    and saves / restores its state and the optimizer's current rates with the checkpoint
+    (exact ``--resume``). The rates it gave every step so far are in :attr:`lrs` (first
+    parameter group).
+
+    Args:
+        kind, warmup_epochs, step_epochs, gamma: as :func:`make_scheduler` (checked at
+            construction with a placeholder length).
+    """
+
+    def __init__(self, kind: str = "none", warmup_epochs: int = 0, step_epochs: int = 1,
+                 gamma: float = 0.1):
+        _check(kind, max(warmup_epochs + 1, 1), 1, warmup_epochs, step_epochs, gamma)
+        self.kind, self.warmup_epochs = kind, warmup_epochs
+        self.step_epochs, self.gamma = step_epochs, gamma
+        self.scheduler = None
+        self._pending = None
+        self.lrs: list = []
+
+    def on_fit_start(self, trainer, plan) -> None:
+        opt = trainer.optimizer
+        self.scheduler = make_scheduler(opt, self.kind, epochs=plan.epochs,
+                                        batches=plan.batches_per_epoch,
+                                        warmup_epochs=self.warmup_epochs,
+                                        step_epochs=self.step_epochs, gamma=self.gamma)
+        if self._pending is not None:  # resumed: the saved position and rates
+            if self.scheduler is not None and self._pending["scheduler"] is not None:
+                self.scheduler.load_state_dict(self._pending["scheduler"])
+            for group, lr in zip(opt.param_groups, self._pending["lrs"]):
+                group["lr"] = lr
+            self.lrs = list(self._pending["history"])
+            self._pending = None
+
+    def on_step_end(self, trainer, record) -> None:
+        self.lrs.append(trainer.optimizer.param_groups[0]["lr"])  # the rate this step used
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        opt_lrs = [] if self.scheduler is None else [
+            float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
+        return {"scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "lrs": opt_lrs, "history": [float(v) for v in self.lrs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pending = state
