@@ -91,7 +91,7 @@ def test_gradients_equal_finite_differences_with_fixed_masks():
 
     loss().backward()
     checked = 0
-    for p in (net.steps[0].lin.weight, net.steps[3].lin.bias, net.steps[5].lin.weight):
+    for p in (net.steps[0].lin.weight, net.steps[4].lin.bias):
         for idx in [(0, 1), (2, 2)] if p.dim() == 2 else [(0,), (2,)]:
             with torch.no_grad():
                 old = p[idx].item()
@@ -103,7 +103,7 @@ def test_gradients_equal_finite_differences_with_fixed_masks():
             fd = (up - down) / 2e-6
             assert abs(fd - p.grad[idx].item()) <= 1e-7 * max(1.0, abs(fd)), (idx, fd, p.grad[idx])
             checked += 1
-    assert checked == 6
+    assert checked == 4
 
 
 def test_transformer_dropout_eval_and_batching():
