@@ -43,7 +43,18 @@ from .options import MGRITOptions
 from .propagator import Propagator
 from .stats import SolverStats
 
-__all__ = ["MGRIT", "MGRITResult"]
+__all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
+
+
+class UnconvergedWarning(RuntimeWarning):
+    """An MGRIT solve with a tolerance stopped at ``max_iter`` cycles before meeting it
+    (``MGRITOptions.on_not_converged="warn"``; the training loop's per-epoch summary uses it
+    too)."""
+
+
+class UnconvergedError(RuntimeError):
+    """An MGRIT solve with a tolerance stopped at ``max_iter`` cycles before meeting it
+    (``MGRITOptions.on_not_converged="raise"``; raised on every rank)."""
 
 
 @dataclass
@@ -161,6 +172,7 @@ class MGRIT:
                           f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",
                           stacklevel=2)
         self.stats = SolverStats()  # accumulated over all solves
+        self._warned = False  # on_not_converged="warn": once per solver
 
     # -- validation ----------------------------------------------------------------------
     def _local_error(self, u0, initial_guess, shape) -> str | None:
@@ -238,6 +250,9 @@ class MGRIT:
                 ``u0`` -- on every rank (agreed by one collective before the solve).
             FloatingPointError: the residual became NaN/Inf (every rank, same iteration)
                 when ``options.check_finite``.
+            UnconvergedError: ``max_iter`` cycles did not meet ``tol``/``rtol`` and
+                ``options.on_not_converged == "raise"`` (every rank); with ``"warn"`` (the
+                default) an :class:`UnconvergedWarning` instead, once per solver.
         """
         opts, levels = self.options, self.hierarchy.levels
         stats = SolverStats()
@@ -283,7 +298,28 @@ class MGRIT:
                 result.converged = self._met(res, result.state_norm)
         ex.waitall()
         self.stats += stats
+        if not result.converged and (opts.tol > 0 or opts.rtol > 0):
+            self._not_converged(result)
         return result
+
+    def _not_converged(self, result: MGRITResult) -> None:
+        """``options.on_not_converged`` for a tolerance solve that ran out of cycles: the
+        verdict and the numbers are the allreduced ones, identical on every rank."""
+        o = self.options
+        if o.on_not_converged == "ignore" or (o.on_not_converged == "warn" and self._warned):
+            return
+        want = " or ".join(([f"r < tol = {o.tol:g}"] if o.tol > 0 else [])
+                           + ([f"r <= rtol * ||u_C|| = {o.rtol:g} * {result.state_norm:.3e}"]
+                              if o.rtol > 0 else []))
+        msg = (f"MGRIT stopped after max_iter={o.max_iter} cycles with residual r = "
+               f"{result.final_residual:.3e}, not meeting {want}: the states (and gradients "
+               f"computed from them) are not exact. Raise max_iter or loosen the tolerance "
+               f"(MGRITOptions.on_not_converged='warn'|'raise'|'ignore')")
+        if o.on_not_converged == "raise":
+            raise UnconvergedError(msg)
+        self._warned = True
+        if self.rank == 0:
+            warnings.warn(msg + "; warned once per solver", UnconvergedWarning, stacklevel=3)
 
     def _initialize(self, st: LevelState, initial_guess) -> None:
         """The finest level's initial guess: ``initial_guess``, else zeros -- written only where
@@ -309,15 +345,18 @@ class MGRIT:
             with stats.timed("coarse"):
                 ops.coarse_solve(st)
             return
-        if not skip:
+        if skip:  # XBraid's skip: copy the fine C-values down, start with the coarse solve
+            with stats.timed("restrict"):
+                ops.copy_down(st, self._st[l + 1])
+        else:
             with stats.timed("relax"):
                 if first_f and (l > 0 or iteration == 0):
                     ops.f_relax(st)
                 for _ in range(self.options.sweeps(l)):
                     ops.c_relax(st)
                     ops.f_relax(st)
-        with stats.timed("restrict"):
-            ops.restrict(st, self._st[l + 1])
+            with stats.timed("restrict"):
+                ops.restrict(st, self._st[l + 1])
         self._cycle(l + 1, cycle, iteration, True, skip)
         with stats.timed("relax"):
             ops.correct(st, self._st[l + 1])
@@ -344,19 +383,26 @@ class MGRIT:
 
     def _residual(self) -> tuple[float, float]:
         """Global C-point residual norm on the finest level and the norm of the same C-point
-        states (the scale of ``rtol``), in one allreduce; identical on every rank."""
+        states (the scale of ``rtol``), in one allreduce; identical on every rank.
+
+        Not-finite values reach every rank: MPI's ``MAX`` does not propagate NaN (its result
+        depends on the reduction order), so each rank maps its NaNs to ``+inf`` and adds a
+        NaN flag (a third entry, reduced with the others); a flagged reduction returns NaN
+        for both norms on every rank, from the same reduced numbers, for every ``norm``."""
         st, stats = self._st[0], self._stats
         inf = self.options.norm == "inf"
         with stats.timed("residual"):
             targets, phi = self._ops.incoming(st, st.lv.cfactor or 1)
+            local = np.zeros(3)
             if len(targets):
                 u = st.u[targets.start - st.lv.lo:targets[-1] - st.lv.lo + 1:targets.step]
                 rows = torch.stack([phi - u, u]).reshape(2, len(targets), -1)
                 norms = torch.linalg.vector_norm(rows, dim=2)  # (2, points): residual, state
                 norms = norms.to("cpu", torch.float64)  # float32 squares could overflow
-                local = (norms.amax(dim=1) if inf else (norms ** 2).sum(dim=1)).numpy()
-            else:
-                local = np.zeros(2)
+                local[:2] = (norms.amax(dim=1) if inf else (norms ** 2).sum(dim=1)).numpy()
+                nan = np.isnan(local[:2])
+                local[2] = float(nan.any())
+                local[:2][nan] = np.inf
             self._ops.ex.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
@@ -364,6 +410,8 @@ class MGRIT:
                     self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
                 else:  # mpi4py's object reduction: one result, broadcast (identical bits)
                     local = self.comm.allreduce(local, op=MPI.SUM)
+        if local[2] > 0:
+            return math.nan, math.nan
         r, s = float(local[0]), float(local[1])
         return (r, s) if inf else (math.sqrt(r), math.sqrt(s))
 
