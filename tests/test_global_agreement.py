@@ -8,8 +8,11 @@ serial PyTorch.
   ``UnconvergedError`` on every rank; fixed-cycle solves never warn;
 * item 9: ``skip_first_relaxation`` (XBraid's skip): its gradient error against serial
   backpropagation is of the order of the run without it, and its first cycle is cheaper;
-* items 4 and 10 (data-parallel buckets that follow ``requires_grad`` and replaced
-  parameters; global-norm gradient clipping): see ``tests/mpi_cases/clip_cases.py``.
+* items 4 and 10: data-parallel buckets follow ``requires_grad`` changes and replaced
+  parameters (2 replicas, and 2 layer x 2 data ranks, against the serial loop; replicas
+  bitwise identical), and ``clip_grad_norm_`` / ``Trainer(clip_grad_norm=)`` equal
+  ``torch.nn.utils.clip_grad_norm_`` on the serial model on 1, 2, 3 ranks and 2 x 2 (see
+  ``tests/mpi_cases/clip_cases.py``).
 
 All MPI checks of one rank count run in one job (three jobs: 2, 3, 4 ranks).
 """
@@ -26,18 +29,34 @@ from mgrit.solver import UnconvergedError, UnconvergedWarning
 from tests.mpi_harness import MPIBatch
 
 V = "tests.mpi_cases.verdict_cases"
+C = "tests.mpi_cases.clip_cases"
 BATCH = MPIBatch(timeout=300)
 for _k in (2, 3, 4):
     for _norm in ("inf", "l2"):
         BATCH.add(_k, f"nan_verdict-{_norm}", f"{V}:check_nan_verdict", norm=_norm)
 for _k in (2, 3):
     BATCH.add(_k, "not_converged", f"{V}:check_not_converged")
+    BATCH.add(_k, "clip_equals_serial-dp1", f"{C}:check_clip_equals_serial", data_parallel=1)
+for _k, _dp in ((2, 2), (4, 2)):
+    BATCH.add(_k, f"buckets_follow_model-dp{_dp}", f"{C}:check_buckets_follow_model",
+              data_parallel=_dp)
+    BATCH.add(_k, f"clip_equals_serial-dp{_dp}", f"{C}:check_clip_equals_serial",
+              data_parallel=_dp)
 
 
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_global_agreement_mpi(k, name):
     results = BATCH.run(k, name)
-    assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
+    print(name, results)
+    if not name.startswith("buckets_follow_model"):  # (which rank holds FROZEN differs)
+        assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
+
+
+def test_clip_equals_serial_one_rank():
+    from tests.mpi_cases.clip_cases import check_clip_equals_serial
+    if MPI.COMM_WORLD.Get_size() != 1:
+        pytest.skip("runs in the pytest process")
+    check_clip_equals_serial(data_parallel=1)
 
 
 # -- item 6 on one rank ------------------------------------------------------------------------

@@ -28,13 +28,13 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..nn import LayerParallelNet, LayerParallelResNet
+from ..nn import LayerParallelNet, LayerParallelResNet, ParallelGRU
 from .faults import instrument_resnet, instrument_solver
 
 __all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",
            "exact_tolerance", "describe_solvers", "solver_summary", "warm_states",
            "set_warm_states", "owned_points", "replace_solver", "solver_states", "instrument",
-           "net_meta"]
+           "net_meta", "replicated_parameters"]
 
 
 class SerialNet(nn.Module):
@@ -88,6 +88,14 @@ def blocks(net: nn.Module) -> list:
     if isinstance(net, SerialNet):
         return [("", net.module)]
     return [("", net)]
+
+
+def replicated_parameters(net: nn.Module) -> list:
+    """This rank's parameters that every layer rank holds with identical gradients (a
+    :class:`~mgrit.nn.ParallelGRU`'s weights, summed over its time ranks in backward); every
+    other parameter of a network lives on one layer rank (the ``replicated`` argument of
+    :func:`mgrit.parallel.clip_grad_norm_`)."""
+    return [p for m in net.modules() if isinstance(m, ParallelGRU) for p in m.parameters()]
 
 
 def segments(net: nn.Module) -> list:
