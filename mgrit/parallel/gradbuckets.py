@@ -201,6 +201,8 @@ class GradientBuckets:
             changed = [_averaged(p) for p in self._known] != self._flags
         if not changed:
             for flat, _, params, offsets, shapes, views, ptrs in self._buckets:
+                if [q.data_ptr() for q in params] == ptrs:
+                    continue  # the common case: one comparison of pointer lists per bucket
                 for i, q in enumerate(params):
                     if q.data_ptr() == ptrs[i]:
                         continue

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..parallel import GradientBuckets, ProcessGrid, clip_grad_norm_
+from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -297,7 +297,13 @@ class Trainer:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Save network, optimizer, RNG states, callback states and ``extra`` to ``path``
-        (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`)."""
+        (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`). With replicas,
+        their parameters are first compared bit for bit (the checkpoint keeps replica 0's):
+        replicas that drifted apart raise ValueError on every rank instead."""
+        if self.grid.data_size > 1 and self.method is None:
+            check_replicas_consistent(self.net.parameters(), self.grid.data_comm,
+                                      what="data-parallel model (drifted before a checkpoint)",
+                                      check_values=True)
         save_checkpoint(path, self.net, self.optimizer, self.grid,
                         extra={"steps": self.steps_done, **(extra or {})},
                         rank_extra={"callbacks": self._callback_states()})

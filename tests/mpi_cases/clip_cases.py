@@ -66,7 +66,8 @@ def check_buckets_follow_model(data_parallel: int) -> float:
     """Items 4 and 10 together: FROZEN frozen at build, unfrozen after step 1; after step 3
     the closing weight is replaced and a new optimizer made; 5 steps with global-norm
     clipping; equals the serial loop (same freeze/unfreeze/replace/clip) to 1e-10 and the
-    replicas are bitwise identical."""
+    replicas are bitwise identical; a replica perturbed afterwards makes Trainer.save raise on
+    every rank."""
     grid = ProcessGrid(COMM, data_parallel=data_parallel)
     x, y = data(40)
     ref = serial_net(N_LAYERS)
@@ -101,6 +102,15 @@ def check_buckets_follow_model(data_parallel: int) -> float:
     err = _max_rel(_params(net), _params(ref))
     assert err <= 1e-10, f"rank {COMM.rank}: {err}"
     check_replicas_consistent(net.parameters(), grid.data_comm, check_values=True)
+    with torch.no_grad():  # a replica that drifted: the checkpoint refuses on every rank
+        if grid.data_rank == 1:
+            next(net.parameters()).add_(1e-3)
+    try:
+        trainer.save("/nonexistent-dir/never-written.pt")
+    except ValueError as exc:
+        assert "drifted" in str(exc) and "differ in values" in str(exc), str(exc)
+    else:
+        raise AssertionError("a drifted replica was saved")
     frozen_moved = [name for name, p in _named(net).items() if name in FROZEN]
     grid.free()
     return f"err {err:.1e}, norms {['%.3f' % n for n in norms]}, unfrozen here {frozen_moved}"
