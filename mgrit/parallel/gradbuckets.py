@@ -188,7 +188,8 @@ class GradientBuckets:
         if self._source is not None and self._registrations != _REGISTRATIONS[0]:
             known = self._enumerate(self._source())
             self._registrations = _REGISTRATIONS[0]
-            if len(known) != len(self._known) or any(a is not b for a, b in zip(known, self._known)):
+            if len(known) != len(self._known) \
+                    or any(a is not b for a, b in zip(known, self._known)):
                 self._known, self._stale = known, True
 
     def _sync(self) -> None:
@@ -198,7 +199,7 @@ class GradientBuckets:
         self._refresh_known()
         changed = self._stale
         if not changed:
-            changed = [_averaged(p) for p in self._known] != self._flags
+            changed = [p.requires_grad or p.grad is not None for p in self._known] != self._flags
         if not changed:
             for flat, _, params, offsets, shapes, views, ptrs in self._buckets:
                 if [q.data_ptr() for q in params] == ptrs:
