@@ -13,11 +13,16 @@ Southworth, Schroder 2017 (nonlinear FAS MGRIT), in the exact cycle structure of
   neighbour), instead of PyMGRIT's gather to rank 0;
 * nested iteration: solve the coarsest level, then inject and V-cycle upwards;
 * residual after each cycle: ``||(||Phi(u_{c-1}) - u_c||_2)_c||`` over fine C-points ``c > 0``
-  (2-norm or inf-norm over points), identical on every rank; computed in the same allreduce as
-  the norm ``||(||u_c||_2)_c||`` of those C-point states, the scale of ``rtol``;
+  (2-norm or inf-norm over points), identical on every rank (a NaN on any rank is NaN on
+  every rank); computed in the same allreduce as the norm ``||(||u_c||_2)_c||`` of those
+  C-point states, the scale of ``rtol``;
 * stopping: after the first cycle whose residual ``r`` meets ``r < tol`` or ``r <= rtol *
   ||u_C||`` (see :class:`~mgrit.options.MGRITOptions`); with an initial guess (warm start) the
-  guess is F-relaxed and checked first, so a converged guess costs no cycle.
+  guess is F-relaxed and checked first, so a converged guess costs no cycle; ``max_iter``
+  cycles without meeting a tolerance warn once per solver or raise on every rank
+  (``MGRITOptions.on_not_converged``);
+* XBraid's skip (``skip_first_relaxation``): the first down-cycle copies the fine C-values
+  down with zero FAS right-hand sides and starts with the coarse solve.
 
 The FAS right-hand side and the coarse-grid correction are evaluated in PyMGRIT's operation
 order, so residual histories agree with PyMGRIT's to the last bits when the propagator computes
