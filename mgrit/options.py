@@ -127,9 +127,9 @@ class MGRITOptions:
         on_not_converged: What a solve with a tolerance (``tol`` or ``rtol`` > 0) does when
             ``max_iter`` cycles did not meet it (XBraid prints "Max. iterations reached" and
             returns): ``"warn"`` (default) issues one
-            :class:`~mgrit.solver.UnconvergedWarning` per solver object (the first time; on
+            :class:`~mgrit.convergence.UnconvergedWarning` per solver object (the first time; on
             its communicator's rank 0) with the residual reached and the tolerances;
-            ``"raise"`` raises :class:`~mgrit.solver.UnconvergedError` on every rank (the
+            ``"raise"`` raises :class:`~mgrit.convergence.UnconvergedError` on every rank (the
             verdict comes from the allreduced residual, so all ranks agree); ``"ignore"``
             returns silently (``MGRITResult.converged`` is False either way). A fixed-cycle
             solve (``tol = rtol = 0``, inexact training) never warns or raises. Advice:

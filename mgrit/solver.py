@@ -29,7 +29,8 @@ order, so residual histories agree with PyMGRIT's to the last bits when the prop
 its step sizes the same way (PyMGRIT: differences of ``np.linspace`` time points, ``t[stop] -
 t[start]``, rather than ``(stop - start) * h``).
 
-Public surface: :class:`MGRIT`, :class:`MGRITResult`; options in :mod:`mgrit.options`.
+Public surface: :class:`MGRIT`, :class:`MGRITResult` (and, from :mod:`mgrit.convergence`,
+:class:`UnconvergedWarning`, :class:`UnconvergedError`); options in :mod:`mgrit.options`.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 from mpi4py import MPI
 
 from .comm import Exchanger, raise_agreed
+from .convergence import UnconvergedError, UnconvergedWarning, met, not_converged
 from .grid import Hierarchy, Partition
 from .levelops import LevelOps, LevelState
 from .options import MGRITOptions
@@ -49,17 +51,6 @@ from .propagator import Propagator
 from .stats import SolverStats
 
 __all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
-
-
-class UnconvergedWarning(RuntimeWarning):
-    """An MGRIT solve with a tolerance stopped at ``max_iter`` cycles before meeting it
-    (``MGRITOptions.on_not_converged="warn"``; the training loop's per-epoch summary uses it
-    too)."""
-
-
-class UnconvergedError(RuntimeError):
-    """An MGRIT solve with a tolerance stopped at ``max_iter`` cycles before meeting it
-    (``MGRITOptions.on_not_converged="raise"``; raised on every rank)."""
 
 
 @dataclass
@@ -289,7 +280,7 @@ class MGRIT:
                 if opts.check_finite and not math.isfinite(res):
                     raise FloatingPointError(f"MGRIT residual of the initial guess is {res}: "
                                              f"the guess, or a step from it, has NaN/Inf values")
-                result.converged = self._met(res, result.state_norm)
+                result.converged = met(opts, res, result.state_norm)
             it = 0
             while not result.converged and it < opts.max_iter:
                 self._cycle(0, opts.cycle, it, not (prechecked and it == 0),
@@ -300,31 +291,13 @@ class MGRIT:
                 if opts.check_finite and not math.isfinite(res):
                     raise FloatingPointError(f"MGRIT residual is {res} after cycle {it} "
                                              f"(history {result.residuals}): the iteration diverged")
-                result.converged = self._met(res, result.state_norm)
+                result.converged = met(opts, res, result.state_norm)
         ex.waitall()
         self.stats += stats
         if not result.converged and (opts.tol > 0 or opts.rtol > 0):
-            self._not_converged(result)
+            self._warned = not_converged(opts, result.final_residual, result.state_norm,
+                                         self._warned, self.rank == 0)
         return result
-
-    def _not_converged(self, result: MGRITResult) -> None:
-        """``options.on_not_converged`` for a tolerance solve that ran out of cycles: the
-        verdict and the numbers are the allreduced ones, identical on every rank."""
-        o = self.options
-        if o.on_not_converged == "ignore" or (o.on_not_converged == "warn" and self._warned):
-            return
-        want = " or ".join(([f"r < tol = {o.tol:g}"] if o.tol > 0 else [])
-                           + ([f"r <= rtol * ||u_C|| = {o.rtol:g} * {result.state_norm:.3e}"]
-                              if o.rtol > 0 else []))
-        msg = (f"MGRIT stopped after max_iter={o.max_iter} cycles with residual r = "
-               f"{result.final_residual:.3e}, not meeting {want}: the states (and gradients "
-               f"computed from them) are not exact. Raise max_iter or loosen the tolerance "
-               f"(MGRITOptions.on_not_converged='warn'|'raise'|'ignore')")
-        if o.on_not_converged == "raise":
-            raise UnconvergedError(msg)
-        self._warned = True
-        if self.rank == 0:
-            warnings.warn(msg + "; warned once per solver", UnconvergedWarning, stacklevel=3)
 
     def _initialize(self, st: LevelState, initial_guess) -> None:
         """The finest level's initial guess: ``initial_guess``, else zeros -- written only where
@@ -378,13 +351,6 @@ class MGRIT:
             self._ops.inject(self._st[l], self._st[l + 1])
             if l > 0:
                 self._cycle(l, "V", 0, True, False)
-
-    def _met(self, res: float, state_norm: float) -> bool:
-        """The stopping test ``r < tol or r <= rtol * ||u_C||`` (each part only when its
-        tolerance is > 0; a non-finite state norm never satisfies the relative part)."""
-        o = self.options
-        return bool((o.tol > 0 and res < o.tol)
-                    or (o.rtol > 0 and math.isfinite(state_norm) and res <= o.rtol * state_norm))
 
     def _residual(self) -> tuple[float, float]:
         """Global C-point residual norm on the finest level and the norm of the same C-point

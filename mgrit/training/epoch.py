@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..solver import UnconvergedWarning  # re-exported: the per-epoch summary uses it too
+from ..convergence import UnconvergedWarning  # re-exported: the per-epoch summary uses it too
 from .records import EpochRecord, StepRecord
 
 __all__ = ["EpochAccumulator", "UnconvergedWarning"]
