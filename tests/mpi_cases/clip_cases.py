@@ -120,7 +120,8 @@ def check_clip_equals_serial(data_parallel: int) -> str:
     """One backward; clip_grad_norm_ (norms 2, 3, inf) on the grid == torch's on the serial
     model (gradients after clipping to 1e-12, norms to 1e-12 relative), every rank the same
     norm bits; the per-rank torch call gives different gradients (on more than 1 layer rank);
-    bad arguments raise the same ValueError on every rank."""
+    a parameter replicated on every layer rank counts once; bad arguments raise the same
+    ValueError on every rank."""
     grid = ProcessGrid(COMM, data_parallel=data_parallel)
     x, y = data(16)
     out = []
@@ -154,6 +155,20 @@ def check_clip_equals_serial(data_parallel: int) -> str:
         else:  # one layer rank: the plain call is the global one
             assert naive_err <= 1e-12, naive_err
         out.append(f"p={norm_type}: {got:.4f} (per-rank clip off by {naive_err:.1e})")
+    # a parameter on every layer rank with identical gradients (as a ParallelGRU's weights):
+    # passed as replicated, it counts once
+    ref, net = serial_net(N_LAYERS), mgrit_net(grid.layer_comm, N_LAYERS)
+    F.cross_entropy(ref(x), y).backward()
+    net.loss(net(xs), ys, F.cross_entropy).backward()
+    for p in net.parameters():
+        grid.data_comm.Allreduce(MPI.IN_PLACE, p.grad.numpy())
+        p.grad /= grid.data_size
+    shared, shared_ref = (nn.Parameter(torch.zeros(3)) for _ in range(2))
+    shared.grad, shared_ref.grad = torch.full((3,), 0.25), torch.full((3,), 0.25)
+    got = float(clip_grad_norm_([*net.parameters(), shared], 0.05, grid, replicated=[shared]))
+    want = float(torch.nn.utils.clip_grad_norm_([*ref.parameters(), shared_ref], 0.05))
+    assert abs(got - want) <= 1e-12 * want, ("replicated", got, want)
+    assert torch.allclose(shared.grad, shared_ref.grad, rtol=1e-12, atol=0)
     bads = [((0.0, 2.0), "max_norm=0.0"), ((1.0, -1.0), "norm_type=-1.0")]
     if grid.layer_size > 1:
         bads.append(((1.0 + grid.layer_rank, 2.0), "disagree"))
