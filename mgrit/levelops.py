@@ -246,6 +246,19 @@ class LevelOps:
         r = phi - st.u[sl] if st.g is None else st.g[sl] - st.u[sl] + phi
         coarse.g[ksl] = r + coarse.v[ksl] - cphi
 
+    def copy_down(self, st: LevelState, coarse: LevelState) -> None:
+        """XBraid's skip (``_braid_CopyFineToCoarse``): ``v_k = u^c_k = u_{km}`` and
+        ``g^c = 0``, without steps or messages. The coarse equations are then the plain
+        coarse chain ``u^c_k = Phi^c(u^c_{k-1})`` (no FAS tau-correction: the fine states
+        were never relaxed, so their residual carries no information), and the correction
+        that follows sets the fine C-points to the coarse solution."""
+        if coarse.lv.n_local == 0:
+            return
+        coarse.v.copy_(st.u[_sl(st.lv.c_points(), st.lv.lo)])
+        coarse.u.copy_(coarse.v)
+        coarse.g.zero_()
+        coarse.cache = None
+
     def correct(self, st: LevelState, coarse: LevelState) -> None:
         """Coarse-grid correction at C-points: ``u_{km} <- u_{km} + (u^c_k - v_k)``."""
         if st.lv.n_local == 0:

@@ -13,18 +13,24 @@ Southworth, Schroder 2017 (nonlinear FAS MGRIT), in the exact cycle structure of
   neighbour), instead of PyMGRIT's gather to rank 0;
 * nested iteration: solve the coarsest level, then inject and V-cycle upwards;
 * residual after each cycle: ``||(||Phi(u_{c-1}) - u_c||_2)_c||`` over fine C-points ``c > 0``
-  (2-norm or inf-norm over points), identical on every rank; computed in the same allreduce as
-  the norm ``||(||u_c||_2)_c||`` of those C-point states, the scale of ``rtol``;
+  (2-norm or inf-norm over points), identical on every rank (a NaN on any rank is NaN on
+  every rank); computed in the same allreduce as the norm ``||(||u_c||_2)_c||`` of those
+  C-point states, the scale of ``rtol``;
 * stopping: after the first cycle whose residual ``r`` meets ``r < tol`` or ``r <= rtol *
   ||u_C||`` (see :class:`~mgrit.options.MGRITOptions`); with an initial guess (warm start) the
-  guess is F-relaxed and checked first, so a converged guess costs no cycle.
+  guess is F-relaxed and checked first, so a converged guess costs no cycle; ``max_iter``
+  cycles without meeting a tolerance warn once per solver or raise on every rank
+  (``MGRITOptions.on_not_converged``);
+* XBraid's skip (``skip_first_relaxation``): the first down-cycle copies the fine C-values
+  down with zero FAS right-hand sides and starts with the coarse solve.
 
 The FAS right-hand side and the coarse-grid correction are evaluated in PyMGRIT's operation
 order, so residual histories agree with PyMGRIT's to the last bits when the propagator computes
 its step sizes the same way (PyMGRIT: differences of ``np.linspace`` time points, ``t[stop] -
 t[start]``, rather than ``(stop - start) * h``).
 
-Public surface: :class:`MGRIT`, :class:`MGRITResult`; options in :mod:`mgrit.options`.
+Public surface: :class:`MGRIT`, :class:`MGRITResult` (and, from :mod:`mgrit.convergence`,
+:class:`UnconvergedWarning`, :class:`UnconvergedError`); options in :mod:`mgrit.options`.
 """
 from __future__ import annotations
 
@@ -37,13 +43,14 @@ import torch
 from mpi4py import MPI
 
 from .comm import Exchanger, raise_agreed
+from .convergence import UnconvergedError, UnconvergedWarning, met, not_converged
 from .grid import Hierarchy, Partition
 from .levelops import LevelOps, LevelState
 from .options import MGRITOptions
 from .propagator import Propagator
 from .stats import SolverStats
 
-__all__ = ["MGRIT", "MGRITResult"]
+__all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
 
 
 @dataclass
@@ -161,6 +168,7 @@ class MGRIT:
                           f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",
                           stacklevel=2)
         self.stats = SolverStats()  # accumulated over all solves
+        self._warned = False  # on_not_converged="warn": once per solver
 
     # -- validation ----------------------------------------------------------------------
     def _local_error(self, u0, initial_guess, shape) -> str | None:
@@ -238,6 +246,9 @@ class MGRIT:
                 ``u0`` -- on every rank (agreed by one collective before the solve).
             FloatingPointError: the residual became NaN/Inf (every rank, same iteration)
                 when ``options.check_finite``.
+            UnconvergedError: ``max_iter`` cycles did not meet ``tol``/``rtol`` and
+                ``options.on_not_converged == "raise"`` (every rank); with ``"warn"`` (the
+                default) an :class:`UnconvergedWarning` instead, once per solver.
         """
         opts, levels = self.options, self.hierarchy.levels
         stats = SolverStats()
@@ -269,7 +280,7 @@ class MGRIT:
                 if opts.check_finite and not math.isfinite(res):
                     raise FloatingPointError(f"MGRIT residual of the initial guess is {res}: "
                                              f"the guess, or a step from it, has NaN/Inf values")
-                result.converged = self._met(res, result.state_norm)
+                result.converged = met(opts, res, result.state_norm)
             it = 0
             while not result.converged and it < opts.max_iter:
                 self._cycle(0, opts.cycle, it, not (prechecked and it == 0),
@@ -280,9 +291,12 @@ class MGRIT:
                 if opts.check_finite and not math.isfinite(res):
                     raise FloatingPointError(f"MGRIT residual is {res} after cycle {it} "
                                              f"(history {result.residuals}): the iteration diverged")
-                result.converged = self._met(res, result.state_norm)
+                result.converged = met(opts, res, result.state_norm)
         ex.waitall()
         self.stats += stats
+        if not result.converged and (opts.tol > 0 or opts.rtol > 0):
+            self._warned = not_converged(opts, result.final_residual, result.state_norm,
+                                         self._warned, self.rank == 0)
         return result
 
     def _initialize(self, st: LevelState, initial_guess) -> None:
@@ -309,15 +323,18 @@ class MGRIT:
             with stats.timed("coarse"):
                 ops.coarse_solve(st)
             return
-        if not skip:
+        if skip:  # XBraid's skip: copy the fine C-values down, start with the coarse solve
+            with stats.timed("restrict"):
+                ops.copy_down(st, self._st[l + 1])
+        else:
             with stats.timed("relax"):
                 if first_f and (l > 0 or iteration == 0):
                     ops.f_relax(st)
                 for _ in range(self.options.sweeps(l)):
                     ops.c_relax(st)
                     ops.f_relax(st)
-        with stats.timed("restrict"):
-            ops.restrict(st, self._st[l + 1])
+            with stats.timed("restrict"):
+                ops.restrict(st, self._st[l + 1])
         self._cycle(l + 1, cycle, iteration, True, skip)
         with stats.timed("relax"):
             ops.correct(st, self._st[l + 1])
@@ -335,28 +352,28 @@ class MGRIT:
             if l > 0:
                 self._cycle(l, "V", 0, True, False)
 
-    def _met(self, res: float, state_norm: float) -> bool:
-        """The stopping test ``r < tol or r <= rtol * ||u_C||`` (each part only when its
-        tolerance is > 0; a non-finite state norm never satisfies the relative part)."""
-        o = self.options
-        return bool((o.tol > 0 and res < o.tol)
-                    or (o.rtol > 0 and math.isfinite(state_norm) and res <= o.rtol * state_norm))
-
     def _residual(self) -> tuple[float, float]:
         """Global C-point residual norm on the finest level and the norm of the same C-point
-        states (the scale of ``rtol``), in one allreduce; identical on every rank."""
+        states (the scale of ``rtol``), in one allreduce; identical on every rank.
+
+        Not-finite values reach every rank: MPI's ``MAX`` does not propagate NaN (its result
+        depends on the reduction order), so each rank maps its NaNs to ``+inf`` and adds a
+        NaN flag (a third entry, reduced with the others); a flagged reduction returns NaN
+        for both norms on every rank, from the same reduced numbers, for every ``norm``."""
         st, stats = self._st[0], self._stats
         inf = self.options.norm == "inf"
         with stats.timed("residual"):
             targets, phi = self._ops.incoming(st, st.lv.cfactor or 1)
+            local = np.zeros(3)
             if len(targets):
                 u = st.u[targets.start - st.lv.lo:targets[-1] - st.lv.lo + 1:targets.step]
                 rows = torch.stack([phi - u, u]).reshape(2, len(targets), -1)
                 norms = torch.linalg.vector_norm(rows, dim=2)  # (2, points): residual, state
                 norms = norms.to("cpu", torch.float64)  # float32 squares could overflow
-                local = (norms.amax(dim=1) if inf else (norms ** 2).sum(dim=1)).numpy()
-            else:
-                local = np.zeros(2)
+                local[:2] = (norms.amax(dim=1) if inf else (norms ** 2).sum(dim=1)).numpy()
+                nan = np.isnan(local[:2])
+                local[2] = float(nan.any())
+                local[:2][nan] = np.inf
             self._ops.ex.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
@@ -364,6 +381,8 @@ class MGRIT:
                     self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
                 else:  # mpi4py's object reduction: one result, broadcast (identical bits)
                     local = self.comm.allreduce(local, op=MPI.SUM)
+        if local[2] > 0:
+            return math.nan, math.nan
         r, s = float(local[0]), float(local[1])
         return (r, s) if inf else (math.sqrt(r), math.sqrt(s))
 

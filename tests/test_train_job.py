@@ -32,7 +32,7 @@ REF = ["--dataset", "digits", "--layers", "8", "--width", "8", "--levels", "2", 
 # 101 samples in batches of 50: the last batch has 1 sample for 2 replicas (issue 13 item 5)
 LAST1 = ["--serial", "--dataset", "digits", "--layers", "4", "--width", "8", "--epochs", "2",
          "--limit-train", "101", "--limit-test", "60", "--batch-size", "50", "--dtype",
-         "float64", "--no-progress"]
+         "float64", "--no-progress", "--clip-grad-norm", "0.5"]  # (clipped alike on replicas)
 JOBS = {  # name: (ranks, flags)
     "mgrit1": (1, TINY),
     "mgrit2": (2, REF + ["--method", "mgrit"]),
@@ -157,6 +157,8 @@ def _load_script():
     (["--layers", "1"], 2, "--layers=1 is smaller than the 2 layer ranks"),
     (["--dataset", "nosuchset"], 1, "--dataset='nosuchset' is unknown"),
     (["--dataset", "nosuchset"], 1, "'hdf5'"),
+    (["--clip-grad-norm", "-1"], 1, "--clip-grad-norm=-1.0 is not allowed"),
+    (["--clip-grad-norm", "1", "--method", "decoupled"], 1, "--clip-grad-norm needs --method"),
 ])
 def test_bad_flags_fail_clearly(args, world, message, capsys):
     """Validation runs before any communication (in-process here, one rank; a job prints the

@@ -82,8 +82,9 @@ def _collective_inplace(comm: MPI.Comm, flat: torch.Tensor, mpitype, op, timings
             timings["stage"] = timings.get("stage", 0.0) + time.perf_counter() - t0
 
 
-def _check_params(parameters) -> list:
-    """The parameters that require grad, each once (first occurrence), validated."""
+def _check_params(parameters, select=None) -> list:
+    """The parameters that require grad (or satisfy ``select``), each once (first
+    occurrence), validated."""
     if isinstance(parameters, (torch.Tensor, torch.nn.Module)):
         raise TypeError(f"parameters must be an iterable of tensors (e.g. model.parameters()), "
                         f"got a {type(parameters).__name__}")
@@ -91,7 +92,7 @@ def _check_params(parameters) -> list:
     for i, p in enumerate(parameters):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameters must be tensors: item {i} is a {type(p).__name__}")
-        if not p.requires_grad or id(p) in seen:
+        if not (p.requires_grad if select is None else select(p)) or id(p) in seen:
             continue
         seen.add(id(p))
         if p.dtype not in _MPI_TYPES:

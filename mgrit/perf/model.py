@@ -247,16 +247,18 @@ class _Replay:
     def cycle(self, l, cycle, it, first_f, skip):
         if self.h[0][l].cfactor is None:
             return self.coarse_solve(l)
-        if not skip:
+        if skip:  # XBraid's skip: the fine C-values are copied down, no step, no message
+            self.clear(l + 1)
+        else:
             if first_f and (l > 0 or it == 0):
                 self.f_relax(l)
             for _ in range(self.opts.sweeps(l)):
                 self.incoming(l, self.h[0][l].cfactor)
                 self.clear(l)
                 self.f_relax(l)
-        self.incoming(l, self.h[0][l].cfactor)  # restriction
-        self.clear(l + 1)
-        self.incoming(l + 1, 1)
+            self.incoming(l, self.h[0][l].cfactor)  # restriction
+            self.clear(l + 1)
+            self.incoming(l + 1, 1)
         self.cycle(l + 1, cycle, it, True, skip)
         self.clear(l)  # correction
         self.f_relax(l)

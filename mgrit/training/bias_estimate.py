@@ -183,7 +183,8 @@ def measure_bias(net, x: torch.Tensor, y: torch.Tensor, grid, *,
     spread = grid.comm.allreduce(spread)
     J = data.allreduce(len(sizes))
     if reference == "converged":
-        residual = grid.comm.allreduce(residual or 0.0, op=MPI.MAX)
+        r = residual or 0.0  # NaN as +inf: Python's max (MPI.MAX on objects) drops a NaN
+        residual = grid.comm.allreduce(math.inf if math.isnan(r) else r, op=MPI.MAX)
     bb, gg, ss, J = grid.comm.bcast((float(norms[0]), float(norms[1]), float(spread), int(J)),
                                     root=0)
     bias, gnorm = math.sqrt(bb), math.sqrt(gg)

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..convergence import UnconvergedWarning  # re-exported: the per-epoch summary uses it too
 from .records import EpochRecord, StepRecord
 
 __all__ = ["EpochAccumulator", "UnconvergedWarning"]
-
-
-class UnconvergedWarning(RuntimeWarning):
-    """MGRIT solves in exact mode stopped at the cycle cap before the tolerance."""
 
 
 class EpochAccumulator:

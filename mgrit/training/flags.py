@@ -116,7 +116,9 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
     g.add_argument("--adjoint", choices=("mgrit", "serial"), default=D.adjoint,
                    help="backward solve: adjoint MGRIT, or a serial sweep across ranks")
     g.add_argument("--skip-first-relaxation", action="store_true",
-                   help="skip relaxation on the first down-cycle (XBraid's skip)")
+                   help="XBraid's skip: no work on the first down-cycle, the first cycle starts "
+                        "from the coarse-grid solution (cheaper; discards the warm start, so "
+                        "pair it with --no-warm-start or --tol > 0)")
     g = p.add_argument_group("training")
     g.add_argument("--method", choices=METHODS, default=D.method, help="training method")
     g.add_argument("--serial", action="store_true", help="shortcut for --method serial")
@@ -145,6 +147,12 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    "step: epochs between decays (counted after the warm-up)")
     g.add_argument("--lr-gamma", type=float, default=D.lr_gamma, help="--lr-schedule step: "
                    "decay factor in (0, 1]")
+    g.add_argument("--clip-grad-norm", type=float, default=D.clip_grad_norm, metavar="MAX",
+                   help="clip the gradients to this global 2-norm before every optimizer step "
+                        "(over all layer ranks, after the data-parallel averaging: equal to "
+                        "torch.nn.utils.clip_grad_norm_ on the serial model; a per-rank call "
+                        "would clip each rank's layers by their own norm); 0 = off; --method "
+                        "mgrit or serial")
     g.add_argument("--seed", type=int, default=D.seed, help="seed of data split, batches and "
                    "weights")
     g.add_argument("--dtype", choices=("float32", "float64"), default=D.dtype,

@@ -227,7 +227,7 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Train
     trainer = Trainer(net, optimizer, grid, loss=loss, callbacks=callbacks,
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
                       checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size,
-                      metric=metric)
+                      metric=metric, clip_grad_norm=c.clip_grad_norm or None)
     return trainer
 
 

@@ -99,6 +99,7 @@ class JobConfig:
     lr_gamma: float = 0.1
     device: str = "cpu"
     tied: bool = False
+    clip_grad_norm: float = 0.0
     seed: int = 0
     dtype: str = "float32"
     eval_batch_size: int = 500
@@ -153,6 +154,12 @@ class JobConfig:
                 raise ValueError(f"--{name}={v} is not allowed: use a finite number > 0")
         if not (math.isfinite(c.tol) and c.tol >= 0):
             raise ValueError(f"--tol={c.tol} is not allowed: use 0 (inexact) or a number > 0")
+        if not (math.isfinite(c.clip_grad_norm) and c.clip_grad_norm >= 0):
+            raise ValueError(f"--clip-grad-norm={c.clip_grad_norm} is not allowed: use 0 (off) "
+                             f"or a finite number > 0")
+        if c.clip_grad_norm and c.method not in ("mgrit", "serial"):
+            raise ValueError(f"--clip-grad-norm needs --method mgrit or serial (--method "
+                             f"{c.method} trains with its own per-stage updates)")
         if not (math.isfinite(c.momentum) and 0 <= c.momentum < 1):
             raise ValueError(f"--momentum={c.momentum} is not allowed: use a number in [0, 1)")
         self._check_training_knobs(c)

@@ -28,14 +28,14 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..nn import LayerParallelNet, LayerParallelResNet
+from ..nn import LayerParallelNet, LayerParallelResNet, ParallelGRU
 from ..nn.compiled import plain_module
 from .faults import instrument_resnet, instrument_solver
 
 __all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",
            "exact_tolerance", "describe_solvers", "solver_summary", "warm_states",
            "set_warm_states", "owned_points", "replace_solver", "solver_states", "instrument",
-           "net_meta"]
+           "net_meta", "replicated_parameters"]
 
 
 class SerialNet(nn.Module):
@@ -103,6 +103,31 @@ def check_tied_replicas(net: nn.Module) -> None:
     ``allgather`` per segment with ties spanning ranks, nothing otherwise)."""
     for seg in segments(net):
         seg.check_tied_replicas()
+
+
+def tied_duplicates(net: nn.Module) -> list:
+    """This rank's replicas of weight-tied groups (``LayerParallelResNet(tie=...)``) spanning
+    layer ranks whose group's first layer lives on another rank: that rank counts their
+    (identical, summed) gradient in a global norm (the ``counted_elsewhere`` argument of
+    :func:`mgrit.parallel.clip_grad_norm_`). Local."""
+    out = []
+    for seg in segments(net):
+        tied = getattr(seg, "_tied", None)
+        if tied is None:
+            continue
+        me = seg.comm.Get_rank()
+        for g in tied.spanning:
+            if g in tied.params and tied.root[g] != me:
+                out.extend(tied.params[g])
+    return out
+
+
+def replicated_parameters(net: nn.Module) -> list:
+    """This rank's parameters that every layer rank holds with identical gradients (a
+    :class:`~mgrit.nn.ParallelGRU`'s weights, summed over its time ranks in backward); every
+    other parameter of a network lives on one layer rank (the ``replicated`` argument of
+    :func:`mgrit.parallel.clip_grad_norm_`)."""
+    return [p for m in net.modules() if isinstance(m, ParallelGRU) for p in m.parameters()]
 
 
 def segments(net: nn.Module) -> list:

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..parallel import GradientBuckets, ProcessGrid
+from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -26,7 +26,7 @@ from .faults import phase
 from .guard import name_nonfinite
 from .method import TrainingMethod
 from .nets import (as_net, check_tied_replicas, describe_solvers, exact_tolerance, instrument,
-                   solver_results, solver_summary)
+                   replicated_parameters, solver_results, solver_summary, tied_duplicates)
 from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
 
@@ -49,7 +49,8 @@ class Trainer:
 
     One step (:meth:`step`): ``zero_grad``, forward, ``net.loss``, backward, the
     ``on_after_backward`` hooks, data-parallel gradient averaging over ``grid.data_comm``
-    (:class:`~mgrit.parallel.GradientBuckets`, weighted by shard size), ``optimizer.step()``.
+    (:class:`~mgrit.parallel.GradientBuckets`, weighted by shard size), global-norm gradient
+    clipping (``clip_grad_norm``), ``optimizer.step()``.
     :meth:`fit` is a thin loop over steps with evaluation, checkpoints and hooks.
     With replicas, BatchNorm layers use the statistics of the global batch (each replica's
     loss is then its share of the global mean loss, averaged with the plain mean) and any
@@ -77,6 +78,12 @@ class Trainer:
             ``test_acc``. Default None: correct argmax classifications of a 2-D output
             against 1-D integer labels (None for other outputs). A language model passes
             :func:`mgrit.training.lm.token_accuracy`.
+        clip_grad_norm: clip the gradients to this global norm (2-norm over the whole model,
+            after the data-parallel averaging) before every optimizer step, as
+            ``torch.nn.utils.clip_grad_norm_`` on the serial model (see
+            :func:`mgrit.parallel.clip_grad_norm_`; a per-rank call would clip each rank's
+            slice by its own norm). A finite number > 0; None (default): no clipping. Not with
+            a TrainingMethod (it runs its own updates).
 
     Attributes:
         net: the adapted network.
@@ -88,6 +95,8 @@ class Trainer:
         batch: this replica's ``(x, y)`` of the latest step, for callbacks that redo the
             step's computation such as :class:`~mgrit.training.bias.BiasMonitor`; None
             before the first step.
+        grad_norm: the total gradient norm before clipping of the latest step, with
+            ``clip_grad_norm``; else None.
 
     Raises:
         TypeError: ``net`` not a module, ``optimizer`` not a ``torch.optim.Optimizer``, ``grid``
@@ -99,7 +108,8 @@ class Trainer:
     def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer | None,
                  grid: ProcessGrid | None = None, *, loss: Callable = F.cross_entropy,
                  callbacks=None, checkpoint=None, checkpoint_every: int = 0,
-                 eval_batch_size: int = 500, metric: Callable | None = None):
+                 eval_batch_size: int = 500, metric: Callable | None = None,
+                 clip_grad_norm: float | None = None):
         self.method = net if isinstance(net, TrainingMethod) else None
         self.net = as_net(net)
         if self.method is not None:
@@ -127,6 +137,16 @@ class Trainer:
         if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike))
                                        or not os.fspath(checkpoint)):
             raise ValueError(f"checkpoint={checkpoint!r} is not allowed: use a file path or None")
+        if clip_grad_norm is not None and (
+                isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                or not np.isfinite(clip_grad_norm) or clip_grad_norm <= 0):
+            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} is not allowed: use a finite "
+                             f"number > 0 or None")
+        if clip_grad_norm is not None and self.method is not None:
+            raise ValueError(f"clip_grad_norm is not supported with a TrainingMethod "
+                             f"({type(net).__name__} runs its own updates)")
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.grad_norm: float | None = None
         if metric is not None and not callable(metric):
             raise TypeError(f"metric must be callable (output, target) -> score, got {metric!r}")
         self.optimizer, self.loss_fn = optimizer, loss
@@ -144,8 +164,9 @@ class Trainer:
                            torch.get_default_dtype())
         # batches go where the network is (data stay on the CPU; --device cuda)
         self._device = next((p.device for p in params), torch.device("cpu"))
-        # data-parallel: .grad tensors become views of persistent flat buffers
-        self.buckets = GradientBuckets(params, self.grid.data_comm) \
+        # data-parallel: .grad tensors become views of persistent flat buffers, laid out
+        # again when parameters are frozen, unfrozen or replaced (the module is re-read)
+        self.buckets = GradientBuckets(self.net, self.grid.data_comm) \
             if self.grid.data_size > 1 and self.method is None else None
         instrument(self.net)
         self.is_root = self.grid.comm.Get_rank() == 0
@@ -198,6 +219,11 @@ class Trainer:
         with phase("gradient averaging"):
             if self.buckets is not None:  # BatchNorm: the loss is the share, plain mean
                 self.buckets.average(weight=None if self._bn else rec.weight)
+        if self.clip_grad_norm is not None:  # global norm: layer ranks, after the averaging
+            self.grad_norm = float(clip_grad_norm_(self.net, self.clip_grad_norm,
+                                                   self.grid.layer_comm,
+                                                   replicated=replicated_parameters(self.net),
+                                                   counted_elsewhere=tied_duplicates(self.net)))
         self.optimizer.step()
         self.steps_done += 1
         if n:
@@ -278,7 +304,13 @@ class Trainer:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Save network, optimizer, RNG states, callback states and ``extra`` to ``path``
-        (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`)."""
+        (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`). With replicas,
+        their parameters are first compared bit for bit (the checkpoint keeps replica 0's):
+        replicas that drifted apart raise ValueError on every rank instead."""
+        if self.grid.data_size > 1 and self.method is None:
+            check_replicas_consistent(self.net.parameters(), self.grid.data_comm,
+                                      what="data-parallel model (drifted before a checkpoint)",
+                                      check_values=True)
         save_checkpoint(path, self.net, self.optimizer, self.grid,
                         extra={"steps": self.steps_done, **(extra or {})},
                         rank_extra={"callbacks": self._callback_states()})

@@ -47,8 +47,10 @@ def check_buckets_match_average_gradients():
             assert torch.equal(p.grad, torch.full_like(p.grad, want)), (i, p.grad, want)
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     buckets = GradientBuckets([p], COMM)
-    p.data = p.data.float()
-    _raises(ValueError, buckets.average, "build a new GradientBuckets", "float32")
+    p.data = p.data.float()  # a dtype change lays the buffers out again (issue 22 item 4)
+    p.grad = torch.full((3,), float(rank + 1))
+    assert buckets.average() == 1 and p.grad.dtype == torch.float32, p.grad
+    assert torch.equal(p.grad, torch.full((3,), (size + 1) / 2)), p.grad
     for bad in (0, -1, 2.5):
         _raises(ValueError, lambda: GradientBuckets([p], COMM, bucket_bytes=bad), "bucket_bytes")
 
@@ -64,8 +66,8 @@ def _raises(exc_type, fn, *words):
 
 
 def check_buckets_errors():
-    """Review findings: a model converted after construction (grads attached) is rejected on
-    every rank; a bad weight on one rank raises on every rank; a tensor/module instead of a
+    """Review findings: a model converted after construction (grads attached) is averaged in
+    its new dtype (issue 22 item 4: the buffers are laid out again); a bad weight on one rank raises on every rank; a tensor/module instead of a
     parameter list is a TypeError; a parameter listed twice is averaged once; None grads stay
     None at construction."""
     size, rank = COMM.Get_size(), COMM.Get_rank()
@@ -76,9 +78,14 @@ def check_buckets_errors():
     m(torch.ones(4, 3)).sum().backward()
     gb.average()
     m.double()  # converts the attached .grad views in place
-    m(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
-    _raises(ValueError, gb.average, "build a new GradientBuckets", "float64")
-    _raises(ValueError, lambda: gb.zero_grad(set_to_none=False), "build a new GradientBuckets")
+    gb.zero_grad()
+    m(torch.full((4, 3), float(rank + 1), dtype=torch.float64)).sum().backward()
+    want = COMM.allreduce(m.weight.grad.numpy().copy()) / size
+    gb.average()
+    assert m.weight.grad.dtype == torch.float64 and torch.allclose(
+        m.weight.grad, torch.from_numpy(want), rtol=1e-15, atol=0), (m.weight.grad, want)
+    gb.zero_grad(set_to_none=False)
+    assert m.weight.grad.dtype == torch.float64 and not m.weight.grad.any()
     # a bad weight on the last rank only: every rank raises the same message, no hang
     q = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
     q.grad = torch.ones(2, dtype=torch.float64)
@@ -93,7 +100,6 @@ def check_buckets_errors():
     assert torch.equal(q.grad, torch.ones(2, dtype=torch.float64)), "touched before the error"
     assert gq.average(weight=0.0) == 1 and not q.grad.any()  # 0 is allowed (an empty shard)
     _raises(TypeError, lambda: GradientBuckets(m.weight, COMM), "iterable of tensors", "Parameter")
-    _raises(TypeError, lambda: GradientBuckets(m, COMM), "Linear")
     _raises(TypeError, lambda: average_gradients(m, COMM), "Linear")
     _raises(TypeError, lambda: GradientBuckets([q], None), "communicator")
     # tied parameter listed twice, small buckets, weights summing to more than 1
