@@ -199,11 +199,16 @@ def replicas_agree(solvers, comm: MPI.Comm | None):
 
         def joined(own=own, inf=inf):
             r, s = own()
-            if inf:
-                v = comm.allreduce(np.array([r, s]), op=MPI.MAX)
-                return float(v[0]), float(v[1])
-            v = comm.allreduce(np.array([r * r, s * s]), op=MPI.SUM)
-            return math.sqrt(v[0]), math.sqrt(v[1])
+            nan = math.isnan(r) or math.isnan(s)  # MPI's MAX does not propagate NaN: a flag
+            v = np.array([math.inf, math.inf, 1.0] if nan else
+                         ([r, s, 0.0] if inf else [r * r, s * s, 0.0]))
+            if inf:  # exact: the same maximum on every replica whatever the order
+                comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
+            else:  # object reduction: one result, identical bits everywhere
+                v = comm.allreduce(v, op=MPI.SUM)
+            if v[2] > 0:
+                return math.nan, math.nan
+            return (float(v[0]), float(v[1])) if inf else (math.sqrt(v[0]), math.sqrt(v[1]))
         saved.append(solver)
         solver._residual = joined
     try:
