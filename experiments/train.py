@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/train.py`` from a ch
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from mgrit.launch import LaunchError, check_launch, foreign_launch  # noqa: E402
 from mgrit.training.cli import JobParser  # noqa: E402
 from mgrit.training.faults import fail_fast  # noqa: E402
 from mgrit.training.flags import job_parser  # noqa: E402
@@ -40,7 +41,23 @@ def build_parser() -> JobParser:
     return job_parser("experiments/train.py")
 
 
+def _refuse_foreign_launch() -> None:
+    """torchrun / srun with another MPI: one line (the launcher's rank 0) and exit 2 on every
+    process before anything else (:func:`mgrit.launch.check_launch`)."""
+    try:
+        check_launch("experiments/train.py")
+    except LaunchError as exc:
+        found = foreign_launch()
+        if found is None or found[2] == 0:
+            print(f"experiments/train.py: error: {exc}", file=sys.stderr, flush=True)
+        else:  # let the first process print before a launcher stops the others
+            import time
+            time.sleep(5.0)
+        raise SystemExit(2) from None
+
+
 def main(argv=None) -> int:
+    _refuse_foreign_launch()
     comm = MPI.COMM_WORLD
     fail_fast(comm)  # an exception on any rank ends the job: one line, rank and phase named
     parser = build_parser()
