@@ -27,10 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # plain ``python experiments/train.py`` from a checkout
     sys.path.insert(0, str(ROOT))
 
+from mgrit.launch import refuse_foreign_launch  # noqa: E402  (imports only mpi4py)
+
+if __name__ == "__main__":  # torchrun / srun with another MPI: one line, before torch loads
+    refuse_foreign_launch("experiments/train.py")
+
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mgrit.launch import LaunchError, check_launch, foreign_launch  # noqa: E402
 from mgrit.training.cli import JobParser  # noqa: E402
 from mgrit.training.faults import fail_fast  # noqa: E402
 from mgrit.training.flags import job_parser  # noqa: E402
@@ -41,23 +45,8 @@ def build_parser() -> JobParser:
     return job_parser("experiments/train.py")
 
 
-def _refuse_foreign_launch() -> None:
-    """torchrun / srun with another MPI: one line (the launcher's rank 0) and exit 2 on every
-    process before anything else (:func:`mgrit.launch.check_launch`)."""
-    try:
-        check_launch("experiments/train.py")
-    except LaunchError as exc:
-        found = foreign_launch()
-        if found is None or found[2] == 0:
-            print(f"experiments/train.py: error: {exc}", file=sys.stderr, flush=True)
-        else:  # let the first process print before a launcher stops the others
-            import time
-            time.sleep(5.0)
-        raise SystemExit(2) from None
-
-
 def main(argv=None) -> int:
-    _refuse_foreign_launch()
+    refuse_foreign_launch("experiments/train.py")
     comm = MPI.COMM_WORLD
     fail_fast(comm)  # an exception on any rank ends the job: one line, rank and phase named
     parser = build_parser()

@@ -32,10 +32,13 @@ or, on a Slurm cluster, ``srun`` with an mpi4py built against the site MPI (READ
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 from mpi4py import MPI
 
-__all__ = ["LaunchError", "foreign_launch", "check_launch", "launch_hint", "IGNORE_ENV"]
+__all__ = ["LaunchError", "foreign_launch", "check_launch", "launch_hint", "refuse_foreign_launch",
+           "IGNORE_ENV"]
 
 IGNORE_ENV = "LAYERPAR_IGNORE_LAUNCHER"
 
@@ -95,3 +98,19 @@ def check_launch(script: str = "SCRIPT", env=None) -> None:
     raise LaunchError(f"started by {who} as {size} processes, but MPI sees 1 rank in each: they "
                       f"would run {size} independent jobs; {launch_hint(size, script)} "
                       f"(${IGNORE_ENV}=1 runs them independently on purpose)")
+
+
+def refuse_foreign_launch(script: str) -> None:
+    """For a script's start (before importing torch): on a foreign launch, the launcher's
+    first process prints ``SCRIPT: error: ...`` (one line, :func:`check_launch`) and every
+    process exits with status 2 (``SystemExit``); the others wait 5 s first, so that a launcher
+    that stops the job at the first exit does not stop the one that prints."""
+    try:
+        check_launch(script)
+    except LaunchError as exc:
+        found = foreign_launch()
+        if found is None or found[2] == 0:
+            print(f"{script}: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(5.0)
+        raise SystemExit(2) from None
