@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .collective import guarded
 from .comm import Exchanger, raise_agreed
 from .grid import Hierarchy, Partition
 from .levelops import LevelOps, LevelState
@@ -207,6 +208,7 @@ class MGRIT:
         return shape
 
     # -- solve ---------------------------------------------------------------------------
+    @guarded("MGRIT solve")  # a failure on one rank ends the job (mgrit.collective)
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
               state_shape=None) -> MGRITResult:

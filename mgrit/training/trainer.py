@@ -17,6 +17,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
+from ..collective import rendezvous
 from ..parallel import GradientBuckets, ProcessGrid
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
@@ -245,6 +246,8 @@ class Trainer:
         return self._evaluate(x, y)
 
     def _evaluate(self, x, y) -> tuple:
+        with phase("evaluation"):  # every rank, or the missing ones named after the deadline
+            rendezvous(self.grid.comm, "evaluation")
         idx = np.array_split(np.arange(len(y)), self.grid.data_size)[self.grid.data_rank]
         tot = np.zeros(3)
         was_training = self.net.training
