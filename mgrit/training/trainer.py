@@ -147,6 +147,9 @@ class Trainer:
         self.steps_done = 0
         self.batch = None
         self.history: dict = {}
+        # where fit is (0-based epoch, batch of the step in progress; None outside a fit),
+        # where it last saved its checkpoint, and its plan: for reports of an interrupted fit
+        self.position, self.saved_at, self.plan = None, None, None
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, x: torch.Tensor, y: torch.Tensor, weight: float | None = None) -> StepRecord:
@@ -329,6 +332,7 @@ class Trainer:
                        initial_test_acc=initial[0], initial_test_loss=initial[1],
                        resumed_from=None if resume is None else os.fspath(resume), notes=notes,
                        solvers=describe_solvers(self.net))
+        self.plan = plan
         self._call("on_fit_start", plan)
         tol = exact_tolerance(self.net)
         for epoch in range(start_epoch, epochs):
@@ -345,6 +349,7 @@ class Trainer:
             for b, (idx, glen) in enumerate(batches):
                 if b < first:
                     continue  # done before the checkpoint we resumed from
+                self.position = (epoch, b)
                 with phase("data loading"):
                     j = torch.as_tensor(idx)
                     xb, yb = xe[j], y[j]
@@ -388,6 +393,7 @@ class Trainer:
         for k in self.history:
             self.history[k].extend(extra["history"].get(k, []))
         pos = extra["position"]
+        self.saved_at = (int(pos[0]), int(pos[1]))
         return (int(pos[0]), int(pos[1]), EpochAccumulator.state_for(extra["accum"], self.grid),
                 list(loaded.notes), tuple(extra["initial"]))
 
@@ -395,4 +401,5 @@ class Trainer:
         accum = self.net.from_last(self.grid.data_comm.allgather(acc.state()))
         self.save(self.checkpoint, {"position": [epoch, batch], "history": hist,
                                     "accum": accum, "initial": list(initial), **expect})
+        self.saved_at = (epoch, batch)
 
