@@ -159,7 +159,7 @@ def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run) -> N
     line = interrupt_line(None if plan is None else t.position,
                           plan.epochs if plan else c.epochs,
                           plan.batches_per_epoch if plan else 0, ckpt,
-                          None if t is None else t.saved_at, sys.argv)
+                          None if t is None else t.saved_at, sys.argv, comm.Get_size())
     print(f"[train] {line}", file=sys.stderr, flush=True)
     if state.writer is not None and plan is not None:
         try:

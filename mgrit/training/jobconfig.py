@@ -18,7 +18,8 @@ from ..nn.gru_chains import COARSE_PROPAGATORS
 from ..options import relaxation_sweeps
 from .multilevel_init import depth_schedule, epoch_schedule
 
-__all__ = ["JobConfig", "read_config", "run_facts", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS"]
+__all__ = ["JobConfig", "read_config", "run_facts", "METHODS", "BUNDLED", "LANGUAGE_MODELS",
+           "SEQUENCE_TASKS", "BIAS_ACTIONS"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
 BUNDLED = ("mnist5k", "digits", "peaks")

@@ -8,12 +8,15 @@ progress bars), ``metrics.h5`` / ``metrics.csv`` (per epoch, epoch 0 = before tr
 ``steps.csv`` (per optimizer step), ``summary.json``, ``curves.png``, ``model.pt`` (the final
 weights; :func:`mgrit.training.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
-``error-rank-R.log`` (a failure's traceback) and ``tensorboard/`` (``--tensorboard``).
+``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
+(``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
+run's stages and heads are not one network).
 """
 from __future__ import annotations
 
 import fnmatch
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -26,7 +29,7 @@ __all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_
 RUN_FILES = ("config.json", "console.log", "metrics.h5", "metrics.h5.tmp", "metrics.csv",
              "steps.csv", "summary.json", "curves.png", "model.pt", "model.pt.tmp",
              "checkpoint.pt", "checkpoint.pt.tmp", "guard.jsonl", "bias.jsonl",
-             "error-rank-*.log", "tensorboard", "sample.txt")
+             "error-rank-*.log", "tensorboard", "lm.json")
 
 
 def clear_run_dir(run) -> list:
@@ -88,14 +91,17 @@ class ConsoleCopy:
         return False
 
 
-def interrupt_line(position, epochs: int, batches: int, checkpoint, saved_at, argv) -> str:
+def interrupt_line(position, epochs: int, batches: int, checkpoint, saved_at, argv,
+                   world: int = 1) -> str:
     """The console line of an interrupted run: where it stopped (``position`` = 0-based
     ``(epoch, batch)`` of the step in progress, or None before training), the last checkpoint
-    (``saved_at`` = its ``(epoch, batch)`` position, or None) and how to resume."""
+    (``saved_at`` = its ``(epoch, batch)`` position, or None) and how to resume (``argv``:
+    the job's command line, run on ``world`` ranks)."""
     if position is None:
         where = "interrupted before training started"
     else:
-        where = f"interrupted at epoch {position[0] + 1}/{epochs}, batch {position[1] + 1}/{batches}"
+        where = (f"interrupted at epoch {position[0] + 1}/{epochs}, batch "
+                 f"{position[1] + 1}/{batches}")
     if checkpoint and saved_at is not None and os.path.isfile(checkpoint):
         args, skip = [], False
         for a in argv:  # the same command with --resume CHECKPOINT (instead of --overwrite)
@@ -111,8 +117,9 @@ def interrupt_line(position, epochs: int, batches: int, checkpoint, saved_at, ar
         e, b = saved_at
         ckpt = (f"last checkpoint {checkpoint} (after {b} batch(es) of epoch {e + 1})" if b
                 else f"last checkpoint {checkpoint} (end of epoch {e})")
-        return (f"{where}; {ckpt}; resume with `python -m mpi4py {' '.join(args)} --resume "
-                f"{checkpoint}` (under the same mpiexec)")
+        launch = f"mpiexec -n {world} python -m mpi4py" if world > 1 else "python -m mpi4py"
+        cmd = shlex.join(args + ["--resume", checkpoint])
+        return f"{where}; {ckpt}; resume with `{launch} {cmd}`"
     return (f"{where}; no checkpoint was written (--checkpoint-every K saves one every K "
             f"steps): start again to continue")
 
