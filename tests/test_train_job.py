@@ -8,6 +8,7 @@ module-scoped fixture (``subprocess.Popen``) and the tests only inspect the resu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -33,8 +34,9 @@ REF = ["--dataset", "digits", "--layers", "8", "--width", "8", "--levels", "2", 
 LAST1 = ["--serial", "--dataset", "digits", "--layers", "4", "--width", "8", "--epochs", "2",
          "--limit-train", "101", "--limit-test", "60", "--batch-size", "50", "--dtype",
          "float64", "--no-progress"]
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # optional extra
 JOBS = {  # name: (ranks, flags)
-    "mgrit1": (1, TINY),
+    "mgrit1": (1, TINY + (["--tensorboard"] if HAS_TENSORBOARD else [])),
     "mgrit2": (2, REF + ["--method", "mgrit"]),
     "serial2": (2, REF + ["--serial"]),
     "sequential1": (1, TINY + ["--method", "sequential", "--layers", "2"]),
@@ -344,3 +346,22 @@ def test_ctrl_c_reports_where_and_how_to_resume(tmp_path):
     assert s["interrupted"] == lines[0][len("[train] "):]
     assert len(s["epochs"]["loss"]) >= 1 and s["final"]["loss"] == s["epochs"]["loss"][-1]
     assert lines[0] in (out / "console.log").read_text()
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="the optional extra 'tensorboard' is missing")
+def test_tensorboard_logs_the_same_numbers(jobs):
+    """--tensorboard (mgrit1): the per-step loss equals steps.csv's (float32 events), the test
+    accuracy starts at step 0 with the accuracy before training."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = jobs["mgrit1"][0]
+    s = _check_run(jobs["mgrit1"])
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    steps = _csv(out / "steps.csv")
+    got = [(e.step, e.value) for e in ea.Scalars("train/loss_step")]
+    assert [g[0] for g in got] == [int(r["step"]) + 1 for r in steps]
+    assert all(abs(v - float(r["loss"])) <= 1e-6 * abs(v) for (_, v), r in zip(got, steps))
+    acc = [(e.step, e.value) for e in ea.Scalars("test/accuracy")]
+    assert acc[0][0] == 0 and abs(acc[0][1] - s["final"]["initial_test_acc"]) <= 1e-6
+    assert abs(acc[-1][1] - s["final"]["test_acc"]) <= 1e-6
