@@ -134,15 +134,19 @@ def end_job(name: str, exc_type, exc, tb) -> None:
 
 class guarded(contextlib.ContextDecorator):
     """A section ``name`` that communicates: an ``Exception`` leaving it on a world of more
-    than one rank ends the job (see module doc), unless :func:`agreed` or opted out."""
+    than one rank ends the job (see module doc), unless :func:`agreed` or opted out.
+    ``agreed_types``: exception types the section itself raises on every rank alike (e.g. the
+    MGRIT solver's ``FloatingPointError`` for a NaN/Inf residual, which is allreduced)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, agreed_types: tuple = ()):
+        self.name, self.agreed_types = name, tuple(agreed_types)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, self.agreed_types):
+            agreed(exc)  # outer sections let it pass too
         if exc is None or not isinstance(exc, Exception) \
                 or getattr(exc, "layerpar_agreed", False) or not abort_on_error():
             return False

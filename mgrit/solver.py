@@ -208,7 +208,8 @@ class MGRIT:
         return shape
 
     # -- solve ---------------------------------------------------------------------------
-    @guarded("MGRIT solve")  # a failure on one rank ends the job (mgrit.collective)
+    # a failure on one rank ends the job (mgrit.collective); the NaN/Inf verdict is agreed
+    @guarded("MGRIT solve", agreed_types=(FloatingPointError,))
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
               state_shape=None) -> MGRITResult:

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..collective import rendezvous
+from ..collective import agreed, rendezvous
 from ..parallel import GradientBuckets, ProcessGrid
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
@@ -226,7 +226,7 @@ class Trainer:
             if named is None:
                 raise
             with phase("forward relaxation" if which == "forward" else "adjoint"):
-                raise named from exc
+                raise agreed(named) from exc  # named on every rank (collective check)
         return out, loss
 
     @staticmethod
@@ -244,7 +244,9 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, data) -> tuple:
         """``(accuracy, mean loss)`` on ``data`` (a Split or ``(x, y)``), forward only, in eval
-        mode; the replicas split the samples. Collective over the grid."""
+        mode; the replicas split the samples. Collective over the grid: ranks that do not call
+        it within :func:`~mgrit.collective.collective_timeout` are named
+        (:class:`~mgrit.collective.CollectiveTimeout`, which ends the job)."""
         x, y = as_tensors(data, self._dtype, "test")
         return self._evaluate(x, y)
 
