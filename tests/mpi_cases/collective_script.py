@@ -4,9 +4,7 @@ exception, no fail_fast): a layer-parallel ResNet, one forward, then by ``sys.ar
 * ``skip``: rank 1 never calls ``.backward()`` (it waits in a barrier); rank 0's backward
   agreement must end the job after the 2 s deadline naming rank 1;
 * ``adjoint``: a step's VJP raises on rank 1 only, inside the adjoint MGRIT solve; the job
-  must end at once (the other rank waits in the solve), naming rank 1;
-* ``catch``: as ``adjoint`` with the guard off (``set_abort_on_error(False)``) and rank 1
-  catching the error: the script goes on (and ends by aborting itself, as a test would).
+  must end at once (the other rank waits in the solve), naming rank 1.
 """
 import sys
 
@@ -14,7 +12,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from mgrit.collective import set_abort_on_error, set_collective_timeout
+from mgrit.collective import set_collective_timeout
 from mgrit.nn import LayerParallelResNet
 from mgrit.options import MGRITOptions
 
@@ -54,13 +52,6 @@ if mode == "skip":
     if comm.Get_rank() == 1:
         comm.Barrier()  # never meets rank 0, which is in the backward agreement
     out.sum().backward()
-elif mode == "catch":
-    set_abort_on_error(False)
-    try:
-        out.sum().backward()
-    except ValueError as exc:
-        print(f"rank {comm.Get_rank()} caught: {exc}", flush=True)
-    comm.Abort(3)
 else:
     out.sum().backward()
 print(f"rank {comm.Get_rank()} finished (must not happen)", flush=True)
