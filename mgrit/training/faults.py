@@ -66,9 +66,9 @@ from mpi4py import MPI
 
 from ..collective import guarded, set_failure_reporter
 
-__all__ = ["PHASES", "COLLECTIVE_PHASES", "HINTS", "phase", "current_phase", "fail_fast", "failure_line", "maybe_inject",
-           "InjectedFault", "instrument_resnet", "instrument_solver", "abort_quietly", "set_log_dir",
-           "ENV"]
+__all__ = ["PHASES", "COLLECTIVE_PHASES", "HINTS", "phase", "current_phase", "fail_fast",
+           "failure_line", "maybe_inject", "InjectedFault", "instrument_resnet",
+           "instrument_solver", "abort_quietly", "set_log_dir", "ENV"]
 
 ENV = "LAYERPAR_INJECT_FAULT"
 PHASES = ("forward relaxation", "coarse solve", "adjoint", "pipelined forward", "pipelined adjoint",
