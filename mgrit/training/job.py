@@ -196,7 +196,7 @@ def _run_job(c: JobConfig, comm: MPI.Comm, grid, run: Path, state: _Run) -> dict
         final = _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load,
                              state)
     num = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731  (None: no accuracy)
-    final["test_metrics_from"] = state.writer.extra.get("test_metrics_from")
+    final["test_metrics_from"] = eval_solve(state.trainer.net, c.method, c.model, c.gru_eval_rtol)
     say(f"[train] done in {time.perf_counter() - t0:.1f}s: loss {num(final['loss'])} train_acc "
         f"{num(final['train_acc'])} test_acc {num(final['test_acc'])} (test metrics from the "
         f"{final['test_metrics_from']}) -> {run}")
