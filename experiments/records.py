@@ -47,7 +47,7 @@ def command(common: list, mgrit: list, method: str, out: Path, smoke: bool = Fal
     ``method`` is ``serial``, else 2 ranks with ``--method mgrit`` and the ``mgrit`` flags;
     ``smoke``: with ``smoke_flags`` too."""
     job = [sys.executable, "-m", "mpi4py", "experiments/train.py", *common, "--no-progress",
-           *(smoke_flags if smoke else []), "--out", str(out)]
+           *(smoke_flags if smoke else []), "--out", str(out), "--overwrite"]  # a rerun replaces
     if method == "serial":
         return job + ["--serial"]
     # a checkpoint after every epoch (the last one is evaluated exactly, then deleted)

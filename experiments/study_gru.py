@@ -77,7 +77,8 @@ def run_job(name: str, ranks: int, flags: list, out: Path) -> dict:
     run = out / "runs" / name
     py = [sys.executable, "-m", "mpi4py", str(ROOT / "experiments" / "train.py")]
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = (py if ranks == 1 else [mpiexec, "-n", str(ranks)] + py) + flags + ["--out", str(run)]
+    cmd = ((py if ranks == 1 else [mpiexec, "-n", str(ranks)] + py) + flags
+           + ["--out", str(run), "--overwrite"])  # a rerun replaces the run
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

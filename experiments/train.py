@@ -14,24 +14,35 @@ run directory, data, :mod:`mgrit.training.models`, optimizer, callbacks) trains 
 (``--method sequential|decoupled``). Every sample of every epoch is used for any ``--dp``
 (a replica without samples in a small last batch joins the gradient average with weight 0).
 Output (rank 0): ``RUN/config.json``, ``metrics.h5``, ``summary.json``, ``curves.png``
-(``RUN`` = ``--out``, default ``runs/<method>-<timestamp>``). A failure prints one line
+(``RUN`` = ``--out``, default ``runs/<method>-<timestamp>``; an existing non-empty one only with
+``--overwrite`` or ``--resume``), ``console.log``, ``metrics.csv``, ``steps.csv`` and
+``model.pt`` (``python -m mgrit.training.export RUN model.pt`` makes a plain PyTorch model of it).
+Ctrl-C prints where the run stopped and how to resume it, writes the results so far and exits
+with status 130. Started by torchrun or by srun with another MPI: one line saying how to
+launch, status 2. A failure prints one line
 (rank, phase, message, what to do); the traceback goes to ``RUN/error-rank-R.log``
 (``--debug`` prints it too).
 """
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # plain ``python experiments/train.py`` from a checkout
     sys.path.insert(0, str(ROOT))
 
+from mgrit.launch import refuse_foreign_launch  # noqa: E402  (imports only mpi4py)
+
+if __name__ == "__main__":  # torchrun / srun with another MPI: one line, before torch loads
+    refuse_foreign_launch("experiments/train.py")
+
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mgrit.training.cli import JobParser  # noqa: E402
-from mgrit.training.faults import fail_fast  # noqa: E402
+from mgrit.training.faults import abort_quietly, fail_fast  # noqa: E402
 from mgrit.training.flags import job_parser  # noqa: E402
 from mgrit.training.job import run_job  # noqa: E402
 
@@ -41,6 +52,7 @@ def build_parser() -> JobParser:
 
 
 def main(argv=None) -> int:
+    refuse_foreign_launch("experiments/train.py")
     comm = MPI.COMM_WORLD
     fail_fast(comm)  # an exception on any rank ends the job: one line, rank and phase named
     parser = build_parser()
@@ -52,7 +64,12 @@ def main(argv=None) -> int:
     elif comm.Get_size() > 1:
         torch.set_num_threads(1)  # ranks share the cores; oversubscription slows every rank
     torch.set_default_dtype(torch.float64 if config.dtype == "float64" else torch.float32)
-    run_job(config, comm)
+    try:
+        run_job(config, comm)
+    except KeyboardInterrupt:  # Ctrl-C: rank 0 reported where and how to resume; status 130
+        if comm.Get_rank() != 0:
+            time.sleep(3.0)  # rank 0 writes the results so far before the job ends
+        abort_quietly(comm, 130)
     return 0
 
 

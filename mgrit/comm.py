@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .collective import agreed
 from .stats import SolverStats
 
 __all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
@@ -115,7 +116,8 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
     rank found an ``error`` (a message, or ``None``), or if ``same`` (e.g. the state shape)
     differs between ranks. For checks that depend on rank-local data (the user's tensors or
     modules on one rank): one small ``allgather``, skipped on one rank, so no rank goes on to
-    communicate while another has failed."""
+    communicate while another has failed. The error is marked
+    :func:`~mgrit.collective.agreed` (it passes the abort guard of collective sections)."""
     if comm.Get_size() > 1:
         if stats is not None:
             stats.allreduces += 1
@@ -126,6 +128,6 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
             errs.append(f"ranks disagree on the {what}: "
                         + ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals)))
         if errs:
-            raise ValueError("; ".join(errs))
+            raise agreed(ValueError("; ".join(errs)))
     elif error:
-        raise ValueError(error)
+        raise agreed(ValueError(error))

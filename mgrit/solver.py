@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .collective import guarded
 from .comm import Exchanger, raise_agreed
 from .convergence import UnconvergedError, UnconvergedWarning, met, not_converged
 from .grid import Hierarchy, Partition
@@ -215,6 +216,8 @@ class MGRIT:
         return shape
 
     # -- solve ---------------------------------------------------------------------------
+    # a failure on one rank ends the job (mgrit.collective); the NaN/Inf verdict is agreed
+    @guarded("MGRIT solve", agreed_types=(FloatingPointError,))
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
               state_shape=None) -> MGRITResult:

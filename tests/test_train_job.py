@@ -8,6 +8,7 @@ module-scoped fixture (``subprocess.Popen``) and the tests only inspect the resu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -33,8 +34,9 @@ REF = ["--dataset", "digits", "--layers", "8", "--width", "8", "--levels", "2", 
 LAST1 = ["--serial", "--dataset", "digits", "--layers", "4", "--width", "8", "--epochs", "2",
          "--limit-train", "101", "--limit-test", "60", "--batch-size", "50", "--dtype",
          "float64", "--no-progress", "--clip-grad-norm", "0.5"]  # (clipped alike on replicas)
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # optional extra
 JOBS = {  # name: (ranks, flags)
-    "mgrit1": (1, TINY),
+    "mgrit1": (1, TINY + (["--tensorboard"] if HAS_TENSORBOARD else [])),
     "mgrit2": (2, REF + ["--method", "mgrit"]),
     "serial2": (2, REF + ["--serial"]),
     "sequential1": (1, TINY + ["--method", "sequential", "--layers", "2"]),
@@ -93,7 +95,8 @@ def jobs(tmp_path_factory):
 def _check_run(result):
     out, rc, so, se = result
     assert rc == 0, f"exit {rc}\n--- stdout\n{so[-3000:]}\n--- stderr\n{se[-3000:]}"
-    for f in ("metrics.h5", "summary.json", "curves.png"):
+    for f in ("metrics.h5", "summary.json", "curves.png", "console.log", "metrics.csv",
+              "steps.csv"):
         assert (out / f).is_file(), f"{f} missing in {out}: {sorted(os.listdir(out))}"
     s = json.loads((out / "summary.json").read_text())
     fin = s["final"]
@@ -203,3 +206,164 @@ def test_killed_job_resumes_to_the_uninterrupted_result(tmp_path):
         for k in ("loss", "train_acc", "test_acc", "test_loss"):
             tol = 0.0 if ranks == 2 else 1e-10  # bitwise on the same P
             assert abs(got[k] - want[k]) <= tol * max(1.0, abs(want[k])), (ranks, k, got, want)
+
+
+# -- the run folder (issue 25 item 3): the jobs above, plus one interrupted job ---------------
+def _csv(path):
+    import csv
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.parametrize("name, solve", [("mgrit2", "inexact MGRIT forward (2 cycle(s)"),
+                                         ("serial2", "serial forward (exact)")])
+def test_run_folder_logs_steps_epochs_and_the_solve(jobs, name, solve):
+    """console.log holds the console; steps.csv / metrics.h5 'steps' one row per optimizer
+    step whose sample-weighted mean is the epoch's loss (dp = 1 for mgrit2: the step loss is
+    the whole batch's); metrics.csv has epoch 0 (before training) and every epoch; the
+    console and summary.json say which forward produced the test metrics."""
+    out, rc, so, se = jobs[name]
+    s = _check_run(jobs[name])
+    assert f"(test metrics from the {solve}" in so and s["test_metrics_from"].startswith(solve)
+    log = (out / "console.log").read_text()
+    assert "[train] done in" in log and "epoch 2/2 loss" in log, log[-2000:]
+    steps = _csv(out / "steps.csv")
+    assert len(steps) == s["steps"] == 10  # 200 samples in batches of 48: 5 per epoch
+    with h5py.File(out / "metrics.h5", "r") as f:
+        assert [float(v) for v in f["steps"]["loss"]] == [float(r["loss"]) for r in steps]
+        assert f.attrs["initial_test_acc"] == s["final"]["initial_test_acc"]
+    if name == "mgrit2":  # dp = 1: steps are whole batches (48, 48, 48, 48, 8 samples)
+        sizes = [48, 48, 48, 48, 8]
+        for e in range(2):
+            rows = steps[5 * e:5 * e + 5]
+            assert [float(r["epoch"]) for r in rows] == [e + (b + 1) / 5 for b in range(5)]
+            mean = sum(float(r["loss"]) * n for r, n in zip(rows, sizes)) / 200
+            assert abs(mean - s["epochs"]["loss"][e]) <= 1e-6, (mean, s["epochs"]["loss"])
+    rows = _csv(out / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["0", "1", "2"]
+    assert float(rows[0]["test_acc"]) == s["final"]["initial_test_acc"] and rows[0]["loss"] == ""
+    assert float(rows[2]["test_loss"]) == s["final"]["test_loss"]
+
+
+def test_load_run_gives_the_trained_network(jobs):
+    """load_run turns a run folder into a plain nn.Sequential: for the layer-parallel run
+    (mgrit2, 2 ranks) its output equals the LayerParallelNet built from the run's config.json
+    with the same model.pt, solved with MGRIT to a tolerance (1 rank); for the serial run its
+    test loss and accuracy are the ones summary.json reports."""
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+    from torch.nn import functional as F
+
+    from mgrit.training.checkpoint import load_checkpoint
+    from mgrit.training.export import load_run, main as export_main
+    from mgrit.training.job import _load
+    from mgrit.training.jobconfig import JobConfig, read_config
+    from mgrit.training.models import build_model
+
+    out = jobs["mgrit2"][0]
+    _check_run(jobs["mgrit2"])
+    cfg = JobConfig.from_json(out / "config.json")  # argv and the run's facts beside settings
+    assert cfg.out == str(out) and cfg.layers == 8 and cfg.method == "mgrit"
+    facts = read_config(out)
+    model = load_run(out)
+    assert isinstance(model, nn.Sequential) and not model.training
+    (_, _), (xte, yte), _ = _load(cfg, torch.float32)
+    exact = JobConfig.from_dict({**facts, "tol": 1e-6, "fwd_iters": 50})
+    lp = build_model("resnet", exact, facts["input_shape"], facts["num_classes"],
+                     comm=MPI.COMM_SELF)
+    load_checkpoint(str(out / "model.pt"), lp, None, restore_warm=False, restore_options=False)
+    with torch.no_grad():
+        want, got = lp.eval()(xte), model(xte)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    out = jobs["serial2"][0]
+    s = _check_run(jobs["serial2"])
+    with torch.no_grad():
+        logits = load_run(out)(xte)
+    assert abs(F.cross_entropy(logits, yte).item() - s["final"]["test_loss"]) <= 1e-5
+    assert (logits.argmax(1) == yte).sum().item() / len(yte) == s["final"]["test_acc"]
+    saved = out.parent / "serial2-export.pt"
+    assert export_main([str(out), str(saved)]) == 0
+    again = torch.load(saved, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(again(xte), logits)
+
+
+def test_out_must_be_new_unless_overwrite_or_resume(tmp_path, capsys):
+    """An existing non-empty --out is refused (one line, before any communication);
+    --overwrite deletes only the run's own files; --overwrite with --resume is refused."""
+    from mgrit.training.runfolder import clear_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    parser = _load_script().build_parser()
+    parser.parse_config(TINY + ["--out", str(run)], 1)  # empty: fine
+    for f in ("config.json", "summary.json", "checkpoint.pt", "error-rank-1.log", "notes.txt"):
+        (run / f).write_text("x")
+    for extra, message in ((["--out", str(run)], f"--out={str(run)!r} exists and is not empty "
+                            "(5 entries: checkpoint.pt, config.json, error-rank-1.log, "
+                            "notes.txt, ...): choose a new run folder, or pass --overwrite"),
+                           (["--out", str(run), "--overwrite", "--resume",
+                             str(run / "checkpoint.pt")], "pass one of them")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_config(TINY + extra, 1)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    parser.parse_config(TINY + ["--out", str(run), "--overwrite"], 1)
+    parser.parse_config(TINY + ["--out", str(run), "--resume", str(run / "checkpoint.pt")], 1)
+    assert clear_run_dir(run) == ["checkpoint.pt", "config.json", "error-rank-1.log",
+                                  "summary.json"]
+    assert os.listdir(run) == ["notes.txt"]
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(SystemExit):
+            parser.parse_config(TINY + ["--tensorboard"], 1)
+        assert "pip install 'layerpar[tensorboard]'" in capsys.readouterr().err
+
+
+def test_ctrl_c_reports_where_and_how_to_resume(tmp_path):
+    """SIGINT to a 1-rank job in training: one line with the epoch and batch, the last
+    checkpoint and the resume command; summary.json so far; exit status 130."""
+    import signal
+
+    out = tmp_path / "run"
+    flags = ["--dataset", "digits", "--layers", "4", "--epochs", "500", "--limit-train", "200",
+             "--limit-test", "50", "--batch-size", "20", "--checkpoint-every", "3",
+             "--no-progress", "--out", str(out)]
+    p = subprocess.Popen(_cmd(1, flags), cwd=ROOT, env=job_env(PYTHONUNBUFFERED="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:  # in training once the first epoch has finished
+            if line.startswith("epoch 1/500"):
+                break
+        p.send_signal(signal.SIGINT)
+        so, se = p.communicate(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    lines = [ln for ln in se.splitlines() if ln.startswith("[train] interrupted at epoch ")]
+    assert p.returncode == 130 and len(lines) == 1, (p.returncode, se[-3000:])
+    assert "/500, batch " in lines[0] and f"last checkpoint {out / 'checkpoint.pt'}" in lines[0]
+    assert f"--resume {out / 'checkpoint.pt'}`" in lines[0], lines[0]
+    assert "KeyboardInterrupt" not in se and "Traceback" not in se, se[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["interrupted"] == lines[0][len("[train] "):]
+    assert len(s["epochs"]["loss"]) >= 1 and s["final"]["loss"] == s["epochs"]["loss"][-1]
+    assert lines[0] in (out / "console.log").read_text()
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="the optional extra 'tensorboard' is missing")
+def test_tensorboard_logs_the_same_numbers(jobs):
+    """--tensorboard (mgrit1): the per-step loss equals steps.csv's (float32 events), the test
+    accuracy starts at step 0 with the accuracy before training."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = jobs["mgrit1"][0]
+    s = _check_run(jobs["mgrit1"])
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    steps = _csv(out / "steps.csv")
+    got = [(e.step, e.value) for e in ea.Scalars("train/loss_step")]
+    assert [g[0] for g in got] == [int(r["step"]) + 1 for r in steps]
+    assert all(abs(v - float(r["loss"])) <= 1e-6 * abs(v) for (_, v), r in zip(got, steps))
+    acc = [(e.step, e.value) for e in ea.Scalars("test/accuracy")]
+    assert acc[0][0] == 0 and abs(acc[0][1] - s["final"]["initial_test_acc"]) <= 1e-6
+    assert abs(acc[-1][1] - s["final"]["test_acc"]) <= 1e-6

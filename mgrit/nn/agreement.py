@@ -16,6 +16,8 @@ import torch
 
 from mpi4py import MPI
 
+from ..collective import agreed, allgather_within, guarded
+
 __all__ = ["agree_backward", "saved_or_error"]
 
 
@@ -42,7 +44,10 @@ def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None
     Raises:
         RuntimeError: on every rank, naming each rank's ``error``, or the forward numbers
             when ranks backpropagate different forwards, or the ranks that met this
-            agreement inside another collective.
+            agreement inside another collective (marked :func:`~mgrit.collective.agreed`).
+        ~mgrit.collective.CollectiveTimeout: ranks that never called backward within
+            :func:`~mgrit.collective.collective_timeout` (default 600 s), named; it ends the
+            job (:class:`~mgrit.collective.guarded`) unless that guard is turned off.
     """
     need = tuple(bool(v) for v in need)
     if comm.Get_size() == 1:
@@ -50,14 +55,22 @@ def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None
             raise RuntimeError(error)
         return need
     tag = f"{what}.backward"
-    gathered = comm.allgather((error, (tag, forward_id, need)))
+    with guarded("backward agreement"):
+        gathered = allgather_within(comm, (error, (tag, forward_id, need)),
+                                    f"the backward of a {what} forward")
+        return _verdict(gathered, what, tag, need)
+
+
+def _verdict(gathered: list, what: str, tag: str, need: tuple) -> tuple[bool, ...]:
+    """The merged needs of the gathered ``(error, (tag, forward id, need))``, or the agreed
+    RuntimeError (see :func:`agree_backward`)."""
     strays = [r for r, g in enumerate(gathered)
               if not (isinstance(g, tuple) and len(g) == 2 and isinstance(g[1], tuple)
                       and len(g[1]) == 3 and g[1][0] == tag and len(g[1][2]) == len(need))]
     if strays:  # another collective met this one: those ranks are not in this backward
-        raise RuntimeError(f"rank(s) {strays} did not enter the backward of a {what} forward "
-                           f"while the others did: every rank must call backward on the same "
-                           f"forwards")
+        raise agreed(RuntimeError(f"rank(s) {strays} did not enter the backward of a {what} "
+                                  f"forward while the others did: every rank must call "
+                                  f"backward on the same forwards"))
     errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
     ids = [t[1] for _, t in gathered]
     if len(set(ids)) > 1:
@@ -65,7 +78,7 @@ def agree_backward(comm: MPI.Comm, what: str, forward_id: int, error: str | None
                     + ", ".join(f"rank {r}: forward #{i}" for r, i in enumerate(ids))
                     + "): every rank must call backward on the same forwards, in the same order")
     if errs:
-        raise RuntimeError("; ".join(errs))
+        raise agreed(RuntimeError("; ".join(errs)))
     return tuple(any(t[2][i] for _, t in gathered) for i in range(len(need)))
 
 

@@ -45,12 +45,12 @@ the backward keeps no other adjoint.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 from torch.func import functional_call
 
+from ..collective import guarded
 from ..comm import Exchanger
 from ..solver import MGRITResult
 from ..stats import SolverStats
@@ -64,9 +64,10 @@ _TAG_STATE, _TAG_GRAD = 5001, 5002  # clear of the solver's (< 4,000) and _p2p's
 
 
 def _phase(model, name: str):
-    """``model.phase_hook(name)``, or no context when the model has no hook."""
+    """``model.phase_hook(name)``, or :class:`~mgrit.collective.guarded` ``(name)`` when the
+    model has no hook (a failure on one rank ends the job)."""
     hook = model.phase_hook
-    return contextlib.nullcontext() if hook is None else hook(name)
+    return guarded(name) if hook is None else hook(name)
 
 
 def one_level(model, grad: bool) -> bool:

@@ -27,6 +27,8 @@ import operator
 import torch
 from mpi4py import MPI
 
+from ..launch import check_launch
+
 __all__ = ["ProcessGrid", "device_for_rank", "local_rank_and_size", "check_grid_shape"]
 
 
@@ -102,9 +104,13 @@ class ProcessGrid:
         ValueError: ``P_D`` not a positive int or not dividing the communicator size, or ranks
             passing different ``P_D``; raised on every rank (one tiny allgather of the
             requested ``P_D`` first, so that no rank is left waiting in a collective).
+        ~mgrit.launch.LaunchError: a foreign launcher (torchrun, srun with another MPI)
+            started several processes that MPI sees as 1-rank jobs
+            (:func:`mgrit.launch.check_launch`; before any communication).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, data_parallel: int = 1):
+        check_launch()
         comm = MPI.COMM_WORLD if comm is None else comm
         size = comm.Get_size()
         requested = comm.allgather(repr(data_parallel))

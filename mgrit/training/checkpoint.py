@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from ..collective import agreed, rendezvous
 from ..options import MGRITOptions
 from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
 from .ckpt_match import mismatches, payloads
@@ -79,7 +80,8 @@ def _grid_info(grid):
 
 def _check_path(path) -> str:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"checkpoint path {path!r} is not allowed: use a non-empty path")
+        raise agreed(ValueError(f"checkpoint path {path!r} is not allowed: use a non-empty "
+                                f"path"))
     return os.path.abspath(os.fspath(path))
 
 
@@ -165,9 +167,12 @@ def save_checkpoint(path, net, optimizer, grid=None, extra: dict | None = None,
     Raises:
         ValueError: a bad path (every rank, before communicating).
         CheckpointError: any failure on any rank while preparing or writing (every rank).
+        ~mgrit.collective.CollectiveTimeout: ranks of the grid that never called it within
+            :func:`~mgrit.collective.collective_timeout` (named).
     """
     path = _check_path(path)
     comm = _grid_info(grid)[0]
+    rendezvous(comm, "saving a checkpoint")  # every rank, or the missing ones named
     net = as_net(net)
     rank = comm.Get_rank()
     failure, local, error = None, None, None
@@ -190,8 +195,9 @@ def save_checkpoint(path, net, optimizer, grid=None, extra: dict | None = None,
     error = comm.bcast(error, root=0)
     if error:
         with phase("checkpoint"):
-            raise CheckpointError(f"checkpoint {path!r} was not written ({error}); the "
-                                  f"previous checkpoint file, if any, is unchanged") from failure
+            raise agreed(CheckpointError(f"checkpoint {path!r} was not written ({error}); "
+                                         f"the previous checkpoint file, if any, is "
+                                         f"unchanged")) from failure
 
 
 def _assemble(parts, grid, extra) -> dict:
@@ -239,6 +245,7 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
     path = _check_path(path)
     net = as_net(net)
     comm, lrank, drank, P_L, P_D = _grid_info(grid)
+    rendezvous(comm, "loading a checkpoint")  # every rank, or the missing ones named
     rank = comm.Get_rank()
     want = {"model": {prefix + n: list(t.shape) for prefix, m in blocks(net)
                       for n, t in m.state_dict().items()},
@@ -258,7 +265,7 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
             plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net_meta(net)["kind"])
     error = comm.bcast(error, root=0)
     if error:
-        raise (FileNotFoundError if error[0] == "missing" else ValueError)(error[1])
+        raise agreed((FileNotFoundError if error[0] == "missing" else ValueError)(error[1]))
     mine = comm.scatter(plans, root=0)
     failure = None
     try:
@@ -267,8 +274,8 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
         failure = exc
     errors = comm.allgather(None if failure is None else _describe(failure, rank))
     if any(errors):
-        raise ValueError(f"checkpoint {path!r} could not be loaded: "
-                         + "; ".join(e for e in errors if e)) from failure
+        raise agreed(ValueError(f"checkpoint {path!r} could not be loaded: "
+                                + "; ".join(e for e in errors if e))) from failure
     return LoadedCheckpoint(extra=mine["extra"], rank_extra=mine["rank_extra"],
                             notes=mine["notes"], saved_grid=tuple(mine["saved_grid"]), path=path)
 

@@ -16,6 +16,14 @@ collective. Three pieces:
   no log directory is set), then ``MPI_Abort`` (whose own banner is suppressed). Ranks other
   than 0 wait 0.5 s first, so an error raised on every rank (a bad file, an agreed
   ``ValueError``) is reported once, by rank 0. Works with and without ``python -m mpi4py``.
+* Collective phases (:data:`COLLECTIVE_PHASES`: the solves, the pipelined sweeps, data
+  loading and gradient averaging of the training loop, evaluation, checkpoints) are also
+  :class:`mgrit.collective.guarded` sections: an exception leaving one on one rank ends the
+  job at once (this module's one-line report, then ``MPI_Abort``), with or without
+  :func:`fail_fast` and ``python -m mpi4py``, unless it was raised on every rank alike
+  (:func:`mgrit.collective.agreed`) or the guard is turned off
+  (``$LAYERPAR_ABORT_ON_ERROR=0``, :func:`mgrit.collective.set_abort_on_error`: for tests
+  that catch an error on every rank).
 * :func:`maybe_inject` -- called on entry of every :class:`phase`; raises
   :class:`InjectedFault` when ``$LAYERPAR_INJECT_FAULT`` selects this rank and phase.
 
@@ -56,14 +64,20 @@ import traceback
 
 from mpi4py import MPI
 
-__all__ = ["PHASES", "HINTS", "phase", "current_phase", "fail_fast", "failure_line", "maybe_inject",
-           "InjectedFault", "instrument_resnet", "instrument_solver", "abort_quietly", "set_log_dir",
-           "ENV"]
+from ..collective import guarded, set_failure_reporter
+
+__all__ = ["PHASES", "COLLECTIVE_PHASES", "HINTS", "phase", "current_phase", "fail_fast",
+           "failure_line", "maybe_inject", "InjectedFault", "instrument_resnet",
+           "instrument_solver", "abort_quietly", "set_log_dir", "ENV"]
 
 ENV = "LAYERPAR_INJECT_FAULT"
 PHASES = ("forward relaxation", "coarse solve", "adjoint", "pipelined forward", "pipelined adjoint",
           "data loading", "gradient averaging", "evaluation", "checkpoint", "run directory",
           "model setup")
+#: Phases that communicate with other ranks: a failure in one on one rank ends the job.
+COLLECTIVE_PHASES = frozenset(("forward relaxation", "coarse solve", "adjoint",
+                               "pipelined forward", "pipelined adjoint", "data loading",
+                               "gradient averaging", "evaluation", "checkpoint"))
 
 _DIVERGED = ("if it is a NaN/Inf: lower the learning rate, iterate MGRIT to a tolerance (exact "
              "mode) or use the convergence guard")
@@ -184,6 +198,8 @@ class phase(contextlib.ContextDecorator):
         _stack.names.pop()
         if exc is not None:
             _tag(exc, self.name, self.hint)
+            if self.name in COLLECTIVE_PHASES:  # one rank failed alone: end the job
+                guarded(self.name).__exit__(exc_type, exc, tb)
         return False
 
 
@@ -255,6 +271,15 @@ def _report_and_abort(comm, exit_code, exc_type, exc, tb) -> None:
         _silence_stderr()  # MPI_Abort's own banner repeats what the line says
     finally:
         comm.Abort(exit_code)
+
+
+def _guard_report(name, exc_type, exc, tb) -> None:
+    """The reporter of :class:`mgrit.collective.guarded` sections: this module's line."""
+    _tag(exc, name)
+    _report_and_abort(MPI.COMM_WORLD, 1, exc_type, exc, tb)
+
+
+set_failure_reporter(_guard_report)
 
 
 def _silence_stderr() -> None:

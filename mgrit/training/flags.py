@@ -200,6 +200,13 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    "method, data, batch size and seed; mgrit and serial: any number of ranks, "
                    "and their checkpoints load into each other)")
     g.add_argument("--out", default=D.out, help="run directory (default runs/<method>-<timestamp>)")
+    g.add_argument("--overwrite", action="store_true", help="reuse an existing non-empty --out: "
+                   "delete the results a previous run wrote there (config, metrics, summary, "
+                   "curves, checkpoint, model, logs; other files are kept); without it (or "
+                   "--resume) such a folder is refused")
+    g.add_argument("--tensorboard", action="store_true", help="also log the per-step and "
+                   "per-epoch metrics to RUN/tensorboard (torch.utils.tensorboard; needs the "
+                   "optional extra: pip install 'layerpar[tensorboard]')")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     g.add_argument("--debug", action="store_true", help="on failure, print the full traceback "
                    "too (it is always kept in RUN/error-rank-R.log)")

@@ -4,9 +4,10 @@ and the callbacks from a :class:`~mgrit.training.jobconfig.JobConfig` and trains
 :class:`~mgrit.training.Trainer`, for every method: the network and its optimizer (``--method
 serial|mgrit``) or a layer-wise training method of :func:`layerwise.build_method` (``--method
 sequential|decoupled``). Threads, the default dtype and ``fail_fast`` belong to
-the calling script."""
+the calling script. The run folder's contents: :mod:`mgrit.training.runfolder`."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import sys
@@ -24,6 +25,7 @@ from layerwise import build_method
 
 from ..parallel import ProcessGrid, device_for_rank
 from .callbacks import ConsoleLog, ProgressBar
+from .checkpoint import save_checkpoint
 from .faults import phase, set_log_dir
 from .bias import BiasMonitor
 from .guard import ConvergenceGuard
@@ -33,6 +35,7 @@ from .lrschedule import LRSchedule
 from .metrics import MetricsWriter
 from .models import build_model
 from .multilevel_init import MultilevelMetricsWriter, run_schedule
+from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
 from .recurrent_models import SEQUENCE_TASKS, GRUSolverLog, load_sequence_task, regression_loss
 from .transformer_models import describe_model
 from .trainer import Trainer
@@ -73,9 +76,9 @@ def _make_run_dir(c: JobConfig, comm: MPI.Comm) -> Path:
             try:
                 run = Path(c.out) if c.out else _default_out(c.method)
                 run.mkdir(parents=True, exist_ok=True)
-                (run / "config.json").write_text(json.dumps(
-                    {"argv": sys.argv, "world_size": comm.Get_size(), **c.to_dict()}, indent=2,
-                    default=str))
+                if c.overwrite:  # the previous run's results go (validated: not --resume)
+                    clear_run_dir(run)
+                _write_config(run, {"world_size": comm.Get_size(), **c.to_dict()})
                 found = ("ok", str(run))
             except OSError as exc:
                 found = ("error", f"cannot create the run directory {c.out or run}: "
@@ -84,6 +87,13 @@ def _make_run_dir(c: JobConfig, comm: MPI.Comm) -> Path:
         if found[0] == "error":
             raise OSError(found[1])
         return Path(found[1])
+
+
+def _write_config(run: Path, config: dict) -> None:
+    """``run/config.json``: the command line and ``config`` (settings and facts, read back by
+    :meth:`JobConfig.from_json`)."""
+    (run / "config.json").write_text(json.dumps({"argv": sys.argv, **config}, indent=2,
+                                                default=str))
 
 
 def _default_out(method: str) -> Path:
@@ -121,16 +131,65 @@ def _load(c: JobConfig, dtype):
             train.num_classes)
 
 
+class _Run:
+    """What the job has built so far (for the report of an interrupted run)."""
+
+    def __init__(self):
+        self.trainer, self.writer = None, None
+
+
 def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     """Run the main job described by ``c`` (validated) on the ranks of ``comm``; returns the
-    final metrics. Writes ``config.json``, ``metrics.h5``, ``summary.json`` and
-    ``curves.png`` into the run directory (rank 0) and prints progress there."""
-    world, rank0 = comm.Get_size(), comm.Get_rank() == 0
-    say = (lambda s: print(s, flush=True)) if rank0 else (lambda s: None)
+    final metrics. Writes the run folder (rank 0; :mod:`mgrit.training.runfolder`: config,
+    console log, metrics per step and per epoch, summary, curves, final weights) and prints
+    progress, with the forward that produced the test metrics.
+
+    Raises:
+        KeyboardInterrupt: after Ctrl-C, once rank 0 has printed where the run stopped, the
+            last checkpoint and the command that resumes it, and written the summary so far
+            (``summary.json`` key ``interrupted``); the caller ends the job (status 130).
+    """
     grid = ProcessGrid(comm, data_parallel=c.dp)
     device = job_device(c, comm)
     run = _make_run_dir(c, comm)
     set_log_dir(run)
+    state = _Run()
+    state.device = device
+    with ConsoleCopy(run / "console.log", append=bool(c.resume)) if comm.Get_rank() == 0 \
+            else contextlib.nullcontext():
+        try:
+            final = _run_job(c, comm, grid, run, state)
+        except KeyboardInterrupt:
+            _report_interrupt(c, comm, run, state)
+            raise
+    grid.free()
+    return final
+
+
+def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run) -> None:
+    """Rank 0: the interrupt line and the files of the run so far."""
+    if comm.Get_rank() != 0:
+        return
+    t = state.trainer
+    plan = getattr(t, "plan", None)
+    ckpt = str(run / "checkpoint.pt") if c.checkpoint_every else None
+    line = interrupt_line(None if plan is None else t.position,
+                          plan.epochs if plan else c.epochs,
+                          plan.batches_per_epoch if plan else 0, ckpt,
+                          None if t is None else t.saved_at, sys.argv, comm.Get_size())
+    print(f"[train] {line}", file=sys.stderr, flush=True)
+    if state.writer is not None and plan is not None:
+        try:
+            state.writer.write_interrupted(t, line)
+            print(f"[train] the results so far are in {run}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - the interrupt is what we report
+            print(f"[train] could not write the results so far: {exc}", file=sys.stderr,
+                  flush=True)
+
+
+def _run_job(c: JobConfig, comm: MPI.Comm, grid, run: Path, state: _Run) -> dict:
+    world, rank0 = comm.Get_size(), comm.Get_rank() == 0
+    say = (lambda s: print(s, flush=True)) if rank0 else (lambda s: None)
     dtype = torch.get_default_dtype()
     t_load = time.perf_counter()
     train, test, num_classes = _load(c, dtype)
@@ -140,43 +199,53 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     config.update(world_size=world, P_L=grid.layer_size, P_D=grid.data_size,
                   n_train=len(train[1]), n_test=len(test[1]), input_shape=list(in_shape),
                   num_classes=num_classes, out=str(run), h=c.T / c.layers,
-                  torch_threads=torch.get_num_threads(), device_effective=str(device))
+                  torch_threads=torch.get_num_threads(), device_effective=str(state.device))
+    if rank0:  # with the facts export needs (input shape, classes)
+        _write_config(run, config)
     say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {len(test[1])} test "
         f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
     t0 = time.perf_counter()
     if c.method in ("sequential", "decoupled"):
-        final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load)
+        final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load,
+                               state)
     else:
         final = _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load,
-                             device)
+                             state)
     num = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731  (None: no accuracy)
+    final["test_metrics_from"] = eval_solve(state.trainer.net, c.method, c.model, c.gru_eval_rtol)
     say(f"[train] done in {time.perf_counter() - t0:.1f}s: loss {num(final['loss'])} train_acc "
-        f"{num(final['train_acc'])} test_acc {num(final['test_acc'])} -> {run}")
-    grid.free()
+        f"{num(final['train_acc'])} test_acc {num(final['test_acc'])} (test metrics from the "
+        f"{final['test_metrics_from']}) -> {run}")
     return final
 
 
 def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_load,
-                 device=None) -> dict:
-    mgrit = c.method == "mgrit"
+                 state) -> dict:
+    mgrit, device = c.method == "mgrit", state.device
 
     def build(cfg):
         return build_model(c.model, cfg, in_shape, num_classes, comm=grid.layer_comm if mgrit
                            else None).to(device=device, dtype=torch.get_default_dtype())
 
     def make(cfg, net, levels=None):
-        return _make_trainer(cfg, grid, net, test, run, config, t_load, levels)
+        state.trainer = _make_trainer(cfg, grid, net, test, run, config, t_load, levels)
+        state.writer = next(cb for cb in state.trainer.callbacks if isinstance(cb, MetricsWriter))
+        return state.trainer
 
     def fit(trainer, cfg, resume):
         return trainer.fit(train, epochs=cfg.epochs, batch_size=cfg.batch_size, seed=cfg.seed,
                            test=test, resume=resume)
 
     if c.multilevel_init:  # coarse-to-fine in depth, one fit per depth (multilevel_init)
-        return run_schedule(c, grid, build, make, fit)
-    with phase("model setup"):
-        net = build(c)
-    return fit(make(c, net), c, c.resume).final
+        final = run_schedule(c, grid, build, make, fit)
+    else:
+        with phase("model setup"):
+            net = build(c)
+        final = fit(make(c, net), c, c.resume).final
+    # the final weights, for mgrit.training.export.load_run (a plain PyTorch model)
+    save_checkpoint(run / "model.pt", state.trainer.net, None, grid)
+    return final
 
 
 def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Trainer:
@@ -211,12 +280,15 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Train
         callbacks.append(ProgressBar())
     title = (f"{c.method} {c.dataset} {c.model} N={config['layers']} world="
              f"{grid.comm.Get_size()} dp={c.dp}")
+    describe = lambda t: eval_solve(t.net, c.method, c.model, c.gru_eval_rtol)  # noqa: E731
     if levels is None:
-        writer = MetricsWriter(run, config, title, extra={"method": c.method, "load_s": t_load})
+        writer = MetricsWriter(run, config, title, extra={"method": c.method, "load_s": t_load},
+                               eval_solve=describe, tensorboard=c.tensorboard)
     else:
         levels.writer = writer = levels.writer or MultilevelMetricsWriter(
             run, config, f"{title} multilevel {levels.depths}",
             extra={"method": c.method, "load_s": t_load}, levels=levels)
+        writer.eval_solve, writer.tensorboard = describe, c.tensorboard
     callbacks.append(ConsoleLog())
     if mgrit and c.model == "gru":
         callbacks.append(GRUSolverLog(extra=writer.extra))
@@ -231,7 +303,8 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Train
     return trainer
 
 
-def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load) -> dict:
+def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load,
+                   state) -> dict:
     """``--method sequential|decoupled``: the layer-wise method (:func:`layerwise.build_method`)
     in the same :class:`Trainer` loop (epochs, evaluation, metrics, progress, checkpoints)."""
     kw = dict(num_stages=c.stages, stages_per_rank=c.stages // grid.layer_size) \
@@ -246,10 +319,12 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
     if c.method == "sequential":  # --epochs is per layer: the loop runs the whole schedule
         extra["stage"] = list(method.plan)
     callbacks = [] if c.no_progress else [ProgressBar()]
-    callbacks += [ConsoleLog(), MetricsWriter(
+    state.writer = MetricsWriter(
         run, config, f"{c.method} {c.dataset} {c.model} N={c.layers} world="
-                     f"{grid.comm.Get_size()} dp={c.dp}", extra=extra)]
-    trainer = Trainer(method, None, grid, callbacks=callbacks,
+                     f"{grid.comm.Get_size()} dp={c.dp}", extra=extra,
+        eval_solve=lambda t: eval_solve(t.net, c.method), tensorboard=c.tensorboard)
+    callbacks += [ConsoleLog(), state.writer]
+    state.trainer = trainer = Trainer(method, None, grid, callbacks=callbacks,
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
                       checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)
     epochs = len(method.plan) if c.method == "sequential" else c.epochs

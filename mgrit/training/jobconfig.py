@@ -4,6 +4,8 @@ verdict on every rank."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -19,8 +21,8 @@ from ..options import relaxation_sweeps
 from .lrschedule import SCHEDULES
 from .multilevel_init import depth_schedule, epoch_schedule
 
-__all__ = ["JobConfig", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS",
-           "DEVICES", "OPTIMIZER_NAMES"]
+__all__ = ["JobConfig", "read_config", "run_facts", "METHODS", "BUNDLED", "LANGUAGE_MODELS",
+           "SEQUENCE_TASKS", "BIAS_ACTIONS", "DEVICES", "OPTIMIZER_NAMES"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
 BUNDLED = ("mnist5k", "digits", "peaks")
@@ -114,8 +116,35 @@ class JobConfig:
     checkpoint_every: int = 0
     resume: str | None = None
     out: str | None = None
+    overwrite: bool = False
+    tensorboard: bool = False
     no_progress: bool = False
     debug: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobConfig":
+        """The settings of a run's ``config.json`` (or ``summary.json``'s ``config``) as a
+        config: keys that are settings become fields; the facts the job adds beside them
+        (``argv``, ``world_size``, ``P_L``, ``input_shape``, ``num_classes``, ...) are
+        ignored (:func:`run_facts` keeps them). Not validated: call :meth:`validated`.
+
+        Raises:
+            TypeError: ``d`` is not a dict.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"a run config must be a dict (config.json), got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_json(cls, path) -> "JobConfig":
+        """:meth:`from_dict` of the JSON file ``path`` (a run folder's ``config.json``; a
+        run folder is read as its ``config.json``). Reading runs no code from the file.
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: not JSON, or not a JSON object.
+        """
+        return cls.from_dict(read_config(path))
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (for ``config.json`` and ``metrics.h5``)."""
@@ -148,6 +177,10 @@ class JobConfig:
             raise ValueError(f"--kernel={c.kernel} is not allowed: use an odd int")
         if c.resume and not os.path.isfile(c.resume):
             raise ValueError(f"--resume={c.resume!r}: no such checkpoint file")
+        _check_out(c)
+        if c.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install "
+                             "'layerpar[tensorboard]' (or pip install tensorboard)")
         for name in ("T", "lr"):
             v = getattr(c, name)
             if not (math.isfinite(v) and v > 0):
@@ -360,6 +393,50 @@ class JobConfig:
         if c.dataset in SEQUENCE_TASKS and c.method == "mgrit" and c.seq_len < P_L:
             raise ValueError(f"--seq-len={c.seq_len} is smaller than the {P_L} time (layer) "
                              f"ranks: use --seq-len >= {P_L} or fewer ranks")
+
+
+def _check_out(c: "JobConfig") -> None:
+    """--out: an existing non-empty folder only with --overwrite or --resume (same verdict on
+    every rank of a shared file system; no communication)."""
+    if c.overwrite and c.resume:
+        raise ValueError("--overwrite deletes the run folder's results and --resume continues "
+                         "them: pass one of them")
+    if not c.out or c.overwrite or c.resume or not os.path.isdir(c.out):
+        return
+    entries = sorted(os.listdir(c.out))
+    if entries:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ValueError(f"--out={c.out!r} exists and is not empty ({len(entries)} entries: "
+                         f"{shown}): choose a new run folder, or pass --overwrite (deletes its "
+                         f"results) or --resume CHECKPOINT (continues the run there)")
+
+
+def read_config(path) -> dict:
+    """The JSON object of ``path`` (``RUN/config.json``, or a run folder): plain JSON only.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not JSON, or not a JSON object.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such run config (a run folder holds config.json)")
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a JSON run config: {exc}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} is not a JSON object (a run config): {type(d).__name__}")
+    return d
+
+
+def run_facts(d: dict) -> dict:
+    """The entries of a run config ``d`` that are not :class:`JobConfig` settings (``argv``,
+    ``world_size``, ``input_shape``, ``num_classes``, ...)."""
+    names = {f.name for f in dataclasses.fields(JobConfig)}
+    return {k: v for k, v in d.items() if k not in names}
 
 
 def _flag(name: str) -> str:

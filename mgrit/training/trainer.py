@@ -17,6 +17,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
+from ..collective import agreed, rendezvous
 from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
@@ -173,6 +174,9 @@ class Trainer:
         self.steps_done = 0
         self.batch = None
         self.history: dict = {}
+        # where fit is (0-based epoch, batch of the step in progress; None outside a fit),
+        # where it last saved its checkpoint, and its plan: for reports of an interrupted fit
+        self.position, self.saved_at, self.plan = None, None, None
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, x: torch.Tensor, y: torch.Tensor, weight: float | None = None) -> StepRecord:
@@ -254,7 +258,7 @@ class Trainer:
             if named is None:
                 raise
             with phase("forward relaxation" if which == "forward" else "adjoint"):
-                raise named from exc
+                raise agreed(named) from exc  # named on every rank (collective check)
         return out, loss
 
     @staticmethod
@@ -272,11 +276,15 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, data) -> tuple:
         """``(accuracy, mean loss)`` on ``data`` (a Split or ``(x, y)``), forward only, in eval
-        mode; the replicas split the samples. Collective over the grid."""
+        mode; the replicas split the samples. Collective over the grid: ranks that do not call
+        it within :func:`~mgrit.collective.collective_timeout` are named
+        (:class:`~mgrit.collective.CollectiveTimeout`, which ends the job)."""
         x, y = as_tensors(data, self._dtype, "test")
         return self._evaluate(x, y)
 
     def _evaluate(self, x, y) -> tuple:
+        with phase("evaluation"):  # every rank, or the missing ones named after the deadline
+            rendezvous(self.grid.comm, "evaluation")
         idx = np.array_split(np.arange(len(y)), self.grid.data_size)[self.grid.data_rank]
         tot = np.zeros(3)
         was_training = self.net.training
@@ -364,6 +372,7 @@ class Trainer:
                        initial_test_acc=initial[0], initial_test_loss=initial[1],
                        resumed_from=None if resume is None else os.fspath(resume), notes=notes,
                        solvers=describe_solvers(self.net))
+        self.plan = plan
         self._call("on_fit_start", plan)
         tol = exact_tolerance(self.net)
         for epoch in range(start_epoch, epochs):
@@ -380,6 +389,7 @@ class Trainer:
             for b, (idx, glen) in enumerate(batches):
                 if b < first:
                     continue  # done before the checkpoint we resumed from
+                self.position = (epoch, b)
                 with phase("data loading"):
                     j = torch.as_tensor(idx)
                     xb, yb = xe[j], y[j]
@@ -426,6 +436,7 @@ class Trainer:
         for k in self.history:
             self.history[k].extend(extra["history"].get(k, []))
         pos = extra["position"]
+        self.saved_at = (int(pos[0]), int(pos[1]))
         return (int(pos[0]), int(pos[1]), EpochAccumulator.state_for(extra["accum"], self.grid),
                 list(loaded.notes), tuple(extra["initial"]))
 
@@ -433,4 +444,5 @@ class Trainer:
         accum = self.net.from_last(self.grid.data_comm.allgather(acc.state()))
         self.save(self.checkpoint, {"position": [epoch, batch], "history": hist,
                                     "accum": accum, "initial": list(initial), **expect})
+        self.saved_at = (epoch, batch)
 
