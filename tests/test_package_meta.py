@@ -46,3 +46,30 @@ def test_user_data_py_shadowing_the_data_package_is_one_line(tmp_path):
         assert r.returncode == 3, r.stderr
         assert r.stdout == (f"{shadow} shadows layerpar's 'data' package (imported instead of it); "
                             f"rename that file/folder or run from another folder\n")
+
+
+def test_public_api_of_data_layerwise_parallel_is_annotated():
+    """Every parameter and return of the public functions and methods exported by ``data``,
+    ``layerwise`` and ``mgrit.parallel`` carries a type hint (the PEP 561 marker promises it)."""
+    import importlib
+    import inspect
+
+    missing = []
+    for name in ("data", "layerwise", "mgrit.parallel"):
+        mod = importlib.import_module(name)
+        for export in mod.__all__:
+            obj = getattr(mod, export)
+            if inspect.isclass(obj) and obj.__module__.split(".")[0] in ("data", "layerwise", "mgrit"):
+                fns = [(f"{export}.{k}", v.__func__ if isinstance(v, (staticmethod, classmethod)) else v)
+                       for k, v in vars(obj).items() if not k.startswith("_") or k == "__init__"]
+            else:
+                fns = [(export, obj)]
+            for label, fn in fns:
+                if not inspect.isfunction(fn):
+                    continue
+                sig = inspect.signature(fn)
+                bare = [p.name for p in sig.parameters.values() if p.name not in ("self", "cls")
+                        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.annotation is p.empty]
+                if bare or (sig.return_annotation is sig.empty and not label.endswith("__init__")):
+                    missing.append(f"{name}.{label}: {bare or 'return'}")
+    assert not missing, missing
