@@ -217,6 +217,7 @@ def test_one_level_equals_plain_training(jobs):
     assert list(a["depth"]) == [4, 4]
 
 
+@pytest.mark.slow
 def test_killed_schedule_resumes_to_the_uninterrupted_result(jobs, tmp_path):
     """Killed on entering the prolongation (its checkpoint: the end of the coarse level),
     resumed and killed again inside the fine level (after the checkpoint of its 2nd step),

@@ -71,6 +71,7 @@ def _child_env():
     return env
 
 
+@pytest.mark.slow
 def test_kill9_during_checkpoint_write(tmp_path):
     path = tmp_path / "ckpt.pt"
     code = f"from {C} import kill_child; kill_child({str(path)!r})"
@@ -145,6 +146,7 @@ def _run_trial(trial):
     return trial, rc, out, time.time() - t0, time.time()
 
 
+@pytest.mark.slow
 def test_fault_injection_trials():
     trials = _trials()
     assert {t[0] for t in trials} == {2, 3, 4} and len(trials) >= 20
