@@ -26,6 +26,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch, mpiexec_path
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 C = "tests.mpi_cases.reliability_cases"
 TMP = tempfile.mkdtemp(prefix="layerpar-rel-")
@@ -71,7 +73,6 @@ def _child_env():
     return env
 
 
-@pytest.mark.slow
 def test_kill9_during_checkpoint_write(tmp_path):
     path = tmp_path / "ckpt.pt"
     code = f"from {C} import kill_child; kill_child({str(path)!r})"
@@ -146,7 +147,6 @@ def _run_trial(trial):
     return trial, rc, out, time.time() - t0, time.time()
 
 
-@pytest.mark.slow
 def test_fault_injection_trials():
     trials = _trials()
     assert {t[0] for t in trials} == {2, 3, 4} and len(trials) >= 20
