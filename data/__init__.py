@@ -25,7 +25,19 @@ Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, 
 ``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``split`` <-
 ``text``; ``sharding`` stands alone.
 No torch or mpi4py is imported.
+
+``data.__layerpar_data__`` marks this package as layerpar's: :mod:`mgrit.training` checks it, so
+that a user's ``data.py`` (or ``data/`` package) shadowing this one is one clear error naming
+the file. ``data.__version__`` is the installed layerpar version.
 """
+from importlib import metadata as _metadata
+
+#: Marker checked by :func:`mgrit.training.datapkg.require_data_package`.
+__layerpar_data__ = True
+try:
+    __version__ = _metadata.version("layerpar")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
 
 from .cifar import load_cifar10, read_cifar_batch
 from .datasets import available_datasets, dataset_info, load_dataset, load_raw, source_datasets

@@ -31,6 +31,7 @@ pickle, a forbidden global, a missing key, wrong data shape/dtype or labels outs
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def _get(obj: dict, key: bytes, path: Path):
     )
 
 
-def read_cifar_batch(path, num_classes: int = 10):
+def read_cifar_batch(path: str | os.PathLike, num_classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
     """Read one CIFAR-10 batch file.
 
     Returns:
@@ -158,7 +159,7 @@ def _resolve(root: Path) -> Path:
     return root / FOLDER if (root / FOLDER).is_dir() else root
 
 
-def load_cifar10(root):
+def load_cifar10(root: str | os.PathLike) -> tuple[Split, Split]:
     """Load CIFAR-10's shipped train (50,000) / test (10,000) splits.
 
     Args:

@@ -33,13 +33,14 @@ Normalization: per-channel mean/std of the train split, see :mod:`data.split`.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .cifar import load_cifar10
-from .h5reader import open_h5_pair
+from .h5reader import H5Split, open_h5_pair
 from .idx import load_mnist
 from .peaks import load_peaks
 from .split import Split, apply_normalization, check_labels, compute_normalization, stratified_split
@@ -208,7 +209,8 @@ def _check_seed(seed) -> int:
     return s
 
 
-def load_raw(name: str, root=None, seed: int = 0, test_fraction: float = 0.2):
+def load_raw(name: str, root: str | os.PathLike | None = None, seed: int = 0,
+             test_fraction: float = 0.2) -> tuple[Split, Split, str]:
     """Load the raw splits of ``name`` with train normalization statistics attached.
 
     Returns:
@@ -238,8 +240,9 @@ def _finish(split: Split, normalize: bool, flatten: bool) -> Split:
     return split.with_x(x, {**split.normalization, "applied": bool(normalize)})
 
 
-def load_dataset(name: str, root=None, seed: int = 0, test_fraction: float = 0.2,
-                 normalize: bool = True, flatten: bool = False):
+def load_dataset(name: str, root: str | os.PathLike | None = None, seed: int = 0,
+                 test_fraction: float = 0.2, normalize: bool = True,
+                 flatten: bool = False) -> tuple[Split | H5Split, Split | H5Split]:
     """Load ``(train, test)`` splits of a data set.
 
     Args:

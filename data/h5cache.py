@@ -107,12 +107,13 @@ def _atomic_write(items) -> list:
     return [final for _, final, _ in items]
 
 
-def write_split_h5(split: Split, path, **extra_attrs) -> Path:
+def write_split_h5(split: Split, path: str | os.PathLike, **extra_attrs) -> Path:
     """Atomically write one raw :class:`~data.split.Split` (with normalization stats) to ``path``."""
     return _atomic_write([(split, Path(path), extra_attrs)])[0]
 
 
-def prepare(name: str, out_dir, root=None, seed: int = 0, test_fraction: float = 0.2):
+def prepare(name: str, out_dir: str | os.PathLike, root: str | os.PathLike | None = None,
+            seed: int = 0, test_fraction: float = 0.2) -> tuple[Path, Path]:
     """Load data set ``name`` and write ``out_dir/NAME-train.h5`` and ``out_dir/NAME-test.h5``.
 
     Args match :func:`data.load_dataset`; ``name`` is one of

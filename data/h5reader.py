@@ -26,6 +26,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import numpy.typing as npt
 
 from .errors import DataFormatError
 from .h5format import CACHE_BYTES, FORMAT_VERSION, REQUIRED_ATTRS, check_checksummed, checksum, read_error
@@ -145,7 +146,7 @@ class H5Split:
     :meth:`close` closes this process's file handle.
     """
 
-    def __init__(self, path, normalize: bool = True, flatten: bool = False, reader: str = "auto"):
+    def __init__(self, path: str | os.PathLike, normalize: bool = True, flatten: bool = False, reader: str = "auto"):
         if reader == "memmap":
             raise ValueError("reader='memmap' is no longer offered: cache datasets are chunked with HDF5 "
                              "Fletcher-32 checksums, which a memmap would bypass; use 'auto' or 'h5py'")
@@ -279,7 +280,7 @@ class H5Split:
         """Shape of one sample as returned by ``x[i]``."""
         return tuple(self.x.shape[1:])
 
-    def get_batch(self, idx):
+    def get_batch(self, idx: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """``(x[idx], y[idx])`` reading only the requested rows."""
         idx = np.asarray(idx)
         return self.x[idx], self.y[idx]
@@ -312,7 +313,7 @@ class H5Split:
                 f"input_shape={self.input_shape}, normalize={self.normalize}, flatten={self.flatten})")
 
 
-def open_h5_split(path, normalize: bool = True, flatten: bool = False, verify: bool = False,
+def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool = False, verify: bool = False,
                   reader: str = "auto") -> H5Split:
     """Open and validate one cache file.
 
@@ -341,7 +342,8 @@ def open_h5_split(path, normalize: bool = True, flatten: bool = False, verify: b
     return s
 
 
-def open_h5_pair(root, normalize: bool = True, flatten: bool = False, reader: str = "auto"):
+def open_h5_pair(root: str | os.PathLike, normalize: bool = True, flatten: bool = False,
+                 reader: str = "auto") -> tuple[H5Split, H5Split]:
     """Open ``(train, test)`` cache files.
 
     ``root`` is either a folder holding exactly one ``NAME-train.h5`` /

@@ -92,7 +92,7 @@ def _read_file_bytes(path: Path) -> bytes:
         ) from e
 
 
-def read_idx(path, expected_magic: int | None = None) -> np.ndarray:
+def read_idx(path: str | os.PathLike, expected_magic: int | None = None) -> np.ndarray:
     """Read one IDX file (raw or gzip) into a native-endian numpy array.
 
     Args:
@@ -152,7 +152,7 @@ def read_idx(path, expected_magic: int | None = None) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
 
-def write_idx(path, array: np.ndarray) -> Path:
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> Path:
     """Write ``array`` as an IDX file; gzip-compressed when ``path`` ends in ``.gz``.
 
     Supported dtypes: uint8, int8, int16, int32, float32, float64.  The file is
@@ -232,7 +232,7 @@ def _load_pair(root: Path, variant: str, split: str) -> Split:
                  name=variant, source=f"IDX {img_path} + {lab_path}", split=split)
 
 
-def load_mnist(root, variant: str = "mnist"):
+def load_mnist(root: str | os.PathLike, variant: str = "mnist") -> tuple[Split, Split]:
     """Load the shipped train/test splits of MNIST or Fashion-MNIST from IDX files.
 
     Args:

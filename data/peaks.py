@@ -72,7 +72,7 @@ def peaks_labels(points: np.ndarray) -> np.ndarray:
     return np.searchsorted(LEVELS[1:NUM_CLASSES], f, side="left").astype(np.int64)
 
 
-def make_peaks(num_samples: int, seed: int = 0, stream: int = 0):
+def make_peaks(num_samples: int, seed: int = 0, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Generate ``num_samples`` class-balanced Peaks points (see module docstring).
 
     Args:

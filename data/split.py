@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 
 from .errors import DataFormatError
 
@@ -83,7 +84,7 @@ class Split:
         """Shape of one sample, e.g. ``(1, 28, 28)``, ``(2,)`` or ``(784,)`` when flattened."""
         return tuple(self.x.shape[1:])
 
-    def get_batch(self, idx):
+    def get_batch(self, idx: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(x[idx], y[idx])`` for an index array ``idx`` (any order, duplicates allowed)."""
         idx = np.asarray(idx)
         return self.x[idx], self.y[idx]

@@ -54,7 +54,7 @@ from mgrit.training.models import build_model  # noqa: E402
 
 #: name -> (layers, width, batch); quick variants for --quick.
 NETWORKS = {"deep": (4096, 8, 64), "mnist": (32, 32, 50), "wide": (8, 1024, 128)}
-QUICK = {"deep": (256, 8, 64), "mnist": (32, 32, 50), "wide": (4, 256, 64)}
+QUICK = {"deep": (64, 8, 64), "mnist": (32, 32, 50), "wide": (4, 256, 64)}
 med = statistics.median
 
 

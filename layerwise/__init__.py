@@ -22,6 +22,8 @@ Data-parallel replicas use the shared pieces of :mod:`mgrit.parallel`: gradient 
 (``GradientBuckets``) and BatchNorm over the global batch with a guard against other
 buffer-changing modules (:mod:`mgrit.parallel.replicas`). Nothing here uses the MGRIT solver.
 """
+from mgrit._version import __version__
+
 from .common import LOSSES, OPTIMIZERS, global_batches, shard, shard_loss, split_stages
 from .decoupled import DecoupledModel, DecoupledTrainer, stage_step
 from .evaluate import evaluate

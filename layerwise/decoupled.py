@@ -122,7 +122,8 @@ class DecoupledModel(nn.Module):
 def stage_step(model: DecoupledModel, k: int, x: torch.Tensor, y: torch.Tensor,
                optimizer: torch.optim.Optimizer,
                after_backward: Callable[[int], None] | None = None,
-               global_batch: int | None = None, num_replicas: int = 1):
+               global_batch: int | None = None,
+               num_replicas: int = 1) -> tuple[torch.Tensor, float, int | None]:
     """One local DGL update of stage ``k`` on a batch (or one replica's shard of it).
 
     Args:

@@ -48,7 +48,7 @@ def _shape(in_shape) -> tuple:
 
 
 def make_head(kind: HeadSpec, in_shape: Sequence[int], num_classes: int, *, hidden: int = 64,
-              dtype: torch.dtype | None = None, device=None) -> nn.Module:
+              dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> nn.Module:
     """Build an auxiliary head for features of shape ``(batch, *in_shape)``.
 
     Args:

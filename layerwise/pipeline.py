@@ -353,7 +353,7 @@ class DecoupledPipeline(TrainingMethod):
         loss, correct, got = stats[-1]
         return (loss, correct) if got == n or correct is None else (loss, correct * n / got)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the combined network's logits ``(len(x), C)`` of a chunk ``x`` (given
         on every rank; read on layer rank 0, the others receive their stages' input) on the
         last layer rank, None elsewhere. Blocking messages; no graph is kept."""

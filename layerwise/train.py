@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
+import torch
 from mpi4py import MPI
 from torch import nn
 
@@ -121,8 +123,11 @@ class _Collect:
         out["ensemble_loss"].append(ev.get("ensemble_loss"))
 
 
-def train_layerwise(method: str, layers: Sequence[nn.Module], num_classes: int, train_x, train_y,
-                    test_x=None, test_y=None, *, grid=None, epochs: int = 10,
+def train_layerwise(method: str, layers: Sequence[nn.Module], num_classes: int,
+                    train_x: torch.Tensor | np.ndarray, train_y: torch.Tensor | np.ndarray,
+                    test_x: torch.Tensor | np.ndarray | None = None,
+                    test_y: torch.Tensor | np.ndarray | None = None, *,
+                    grid: ProcessGrid | None = None, epochs: int = 10,
                     batch_size: int = 64, optimizer: str = "sgd", lr: float = 0.05,
                     momentum: float = 0.9, weight_decay: float = 0.0, seed: int = 0,
                     head: HeadSpec = "linear", head_hidden: int = 64,

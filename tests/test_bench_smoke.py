@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 600
 

@@ -29,6 +29,7 @@ BATCH.add(2, "no_trace", f"{C}:check_no_trace", log_dir=TMP)
 BATCH.add(2, "resume", f"{C}:check_resume", ckpt_dir=TMP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,nprocs", [("estimator-P2", 2), ("estimator-dp2", 2),
                                          ("estimator-P3", 3)])
 def test_estimator_equals_serial_autograd(name, nprocs):
@@ -36,6 +37,7 @@ def test_estimator_equals_serial_autograd(name, nprocs):
     assert all(float(e) <= 1e-10 for e in errs), errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,nprocs", [("decisions-P2", 2), ("decisions-dp2", 2),
                                          ("decisions-P3", 3)])
 def test_every_rank_takes_the_same_decision(name, nprocs):
@@ -43,11 +45,13 @@ def test_every_rank_takes_the_same_decision(name, nprocs):
     assert len(set(actions)) == 1, actions
 
 
+@pytest.mark.slow
 def test_monitor_that_never_acts_leaves_training_unchanged():
     losses = BATCH.run(2, "no_trace")
     assert len(set(losses)) == 1, losses
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_monitor_state():
     losses = BATCH.run(2, "resume")
     assert len(set(losses)) == 1, losses
@@ -141,6 +145,7 @@ def test_job_flags_are_checked():
             JobConfig(**kw).validated(1)
 
 
+@pytest.mark.slow
 def test_main_job_logs_every_check(tmp_path, capsys):
     """The main job in this process (1 rank, digits, 8 layers, 3 levels, 4 steps) with
     ``--bias-monitor raise --bias-every 1 --bias-ratio 1e-6 --bias-window 1``: every check is

@@ -44,6 +44,7 @@ for k in (2, 4):
         BATCH.add(k, name, f"tests.mpi_cases.gradbuckets_cases:check_{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_dataparallel_mpi(k, name):
     results = BATCH.run(k, name)

@@ -15,6 +15,8 @@ import pytest
 
 from tests.regenerate_quick import assert_every_script_ok, run_quick
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
 ONLY = ["kirby2020", "torchbraid_mnist", "convergence", "bench_pymgrit"]

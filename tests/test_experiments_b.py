@@ -17,6 +17,8 @@ import pytest
 
 from tests.regenerate_quick import assert_every_script_ok, run_quick
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",

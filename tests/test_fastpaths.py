@@ -58,6 +58,7 @@ for k in (2, 3):
               "tests.mpi_cases.segments_cases:check_several_forwards", levels=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_one_level_path(k, name):
     results = BATCH.run(k, name)

@@ -276,6 +276,7 @@ def test_adding_problem():
         make_adding_problem(3, 1)
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path):
     """experiments/bench_gru.py --smoke in-process (its 2-rank part as an mpiexec subprocess)."""
     path = Path(__file__).resolve().parent.parent / "experiments" / "bench_gru.py"

@@ -185,6 +185,7 @@ def _ok(result):
     return out, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_exact_gru_job_on_two_ranks_equals_serial_job(jobs):
     """--model gru, float64, MGRIT in time to 1e-12 on 2 time ranks vs the serial nn.GRU job
     (same seed, data, batches): every epoch's loss, accuracies and test loss to 1e-9."""
@@ -197,6 +198,7 @@ def test_exact_gru_job_on_two_ranks_equals_serial_job(jobs):
     assert len(s_par["gru_solver"]) == 2  # per-epoch solver record of the GRU
 
 
+@pytest.mark.slow
 def test_exact_gru_job_with_replicas_equals_serial_job(jobs):
     """2 time ranks x 2 data-parallel replicas (4 ranks), exact mode: the serial job's history
     to 1e-9 (the GRU's parameters are replicated over the time ranks and averaged over the
@@ -208,6 +210,7 @@ def test_exact_gru_job_with_replicas_equals_serial_job(jobs):
         assert np.allclose(got[k], want[k], rtol=1e-9, atol=0), (k, got[k], want[k])
 
 
+@pytest.mark.slow
 def test_inexact_row_by_row_job_runs(jobs):
     out, s = _ok(jobs["inexact2"])
     fin = s["final"]
@@ -217,6 +220,7 @@ def test_inexact_row_by_row_job_runs(jobs):
     assert s["config"]["input_shape"] == [1, 8, 8]
 
 
+@pytest.mark.slow
 def test_adding_problem_job_on_two_ranks(jobs):
     """--dataset adding: generated sequences of 64 steps, MSE regression on 2 time ranks."""
     out, s = _ok(jobs["adding2"])
@@ -225,6 +229,7 @@ def test_adding_problem_job_on_two_ranks(jobs):
     assert math.isnan(s["final"]["test_acc"]) and s["final"]["train_acc"] is None  # no accuracy
 
 
+@pytest.mark.slow
 def test_serial_checkpoint_resumes_layer_parallel(jobs, tmp_path):
     """The serial job's checkpoint after epoch 1 (same parameter names) continues on 2 time
     ranks in exact mode for a second epoch: the history equals the uninterrupted serial

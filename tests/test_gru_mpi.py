@@ -20,6 +20,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 C = "tests.mpi_cases.gru_cases"
 A = "tests.mpi_cases.gru_autograd_cases"
 AUTOGRAD_CHECKS = ["forwards_then_one_backward", "interleaved_backwards", "retain_graph",

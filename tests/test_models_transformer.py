@@ -44,6 +44,7 @@ BATCH.add(2, "gpt-resume-dp", f"{C}:check_gpt_resume_and_dp")
 BATCH.add(2, "bad-input", f"{C}:check_bad_input")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_models_mpi(k, name):
     results = BATCH.run(k, name)
@@ -237,6 +238,7 @@ def test_records_report_verdicts(tmp_path):
     assert head["commits"] == ["abc1234"] and len(head["rows"]) == 3
 
 
+@pytest.mark.slow
 def test_records_gpt_job_and_exact_evaluation(tmp_path):
     """transformer_records.py --smoke, the GPT's layer-parallel run only: the 2-rank job runs,
     its final checkpoint is evaluated with the exact (serial) forward on the text corpus and

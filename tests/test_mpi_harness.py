@@ -14,6 +14,7 @@ def test_every_rank_reports(k, name):
     assert BATCH.run(k, name) == [repr(k * (k + 1) // 2)] * k
 
 
+@pytest.mark.slow
 def test_failure_on_one_rank_is_reported_and_does_not_hang():
     with pytest.raises(pytest.fail.Exception) as info:
         run_mpi("tests.mpi_cases.smoke_cases:check_rank1_fails", 2, timeout=60)

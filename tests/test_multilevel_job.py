@@ -170,6 +170,7 @@ def float64():
     torch.set_default_dtype(old)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, prolong", [("serial", "constant"), ("linear", "linear")])
 def test_serial_schedule_equals_plain_loop_reference(jobs, name, prolong, float64):
     """Depths 2 -> 4, 2 + 2 epochs, float64: every epoch's loss, accuracies and test loss
@@ -189,6 +190,7 @@ def test_serial_schedule_equals_plain_loop_reference(jobs, name, prolong, float6
     assert abs(s["levels"][1]["initial_test_acc"] - s["levels"][0]["final_test_acc"]) <= 0.1
 
 
+@pytest.mark.slow
 def test_layer_parallel_schedule_equals_serial(jobs):
     """The same schedule with --method mgrit on 2 layer ranks, exact mode (tol 1e-12): the
     coarse level has one layer per rank, the prolongation moves layers between ranks; the
@@ -200,6 +202,7 @@ def test_layer_parallel_schedule_equals_serial(jobs):
     assert s["P_L"] == 2 and list(got["depth"]) == [2, 2, 4, 4]
 
 
+@pytest.mark.slow
 def test_schedule_with_replicas_equals_serial(jobs):
     """The serial schedule on 2 data-parallel replicas: the 1-rank history to 1e-10."""
     _, s = _ok(jobs["serial_dp2"])
@@ -209,6 +212,7 @@ def test_schedule_with_replicas_equals_serial(jobs):
     assert s["dp"] == 2
 
 
+@pytest.mark.slow
 def test_one_level_equals_plain_training(jobs):
     """--multilevel-init 1 is ordinary training at depth N through the schedule's code."""
     a, b = _metrics(_ok(jobs["one_level"])[0]), _metrics(_ok(jobs["plain"])[0])
@@ -217,6 +221,7 @@ def test_one_level_equals_plain_training(jobs):
     assert list(a["depth"]) == [4, 4]
 
 
+@pytest.mark.slow
 def test_killed_schedule_resumes_to_the_uninterrupted_result(jobs, tmp_path):
     """Killed on entering the prolongation (its checkpoint: the end of the coarse level),
     resumed and killed again inside the fine level (after the checkpoint of its 2nd step),

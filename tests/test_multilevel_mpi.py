@@ -8,6 +8,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 C = "tests.mpi_cases.multilevel_cases"
 BATCH = MPIBatch()
 for k in (2, 3):

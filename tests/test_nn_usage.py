@@ -54,6 +54,7 @@ for k in (2, 3):
     BATCH.add(k, "mismatched_backwards", f"{U}:check_mismatched_backwards")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_nn_usage(k, name):
     results = BATCH.run(k, name)

@@ -62,6 +62,7 @@ def test_counts_one_rank(case):
     check_counts([case])
 
 
+@pytest.mark.slow
 def test_counts_oversubscribed():
     BATCH.run(4, "counts")
 

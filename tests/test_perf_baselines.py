@@ -77,6 +77,7 @@ def test_lean_slice_and_errors():
         LeanResNet.from_sequential(_net(act="smoothrelu"))
 
 
+@pytest.mark.slow
 def test_compiled_loops_equal_lean():
     """The compiled block loops (forward; forward-store + closed-form backward + SGD) compute
     the lean loop's numbers. Backend ``eager`` here: inductor's C++ compile takes minutes on
@@ -103,6 +104,7 @@ def test_micro_batch_sizes():
             micro_batch_sizes(4, bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs,check", [(n, c) for n in (2, 3) for c in CHECKS])
 def test_baselines_mpi(nprocs, check):
     BATCH.run(nprocs, check)

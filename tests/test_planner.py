@@ -269,3 +269,36 @@ def test_bad_inputs_of_simplest_and_resnet_times():
         perf.resnet_times(16, 1, c, o, None, 1, 1)
     with pytest.raises(ValueError, match="N=0"):
         perf.resnet_times(0, 1, c, o, o, 1, 1)
+
+
+def test_unresolved_calibration_is_clamped_and_flagged_never_divided_by():
+    """A calibration whose timings give zero (a clock that never moves) or negative (a
+    monotonic clock on which more work takes less time, as when load drops during the
+    calibration: deeper networks time faster) per-layer costs: the layer costs are
+    clamped to a positive floor and noted as unreliable; recommend() warns, its report says so
+    and divides by nothing <= 0 (the ZeroDivisionError of issue 25); NetCosts refuses a zero
+    layer cost outright."""
+    net = _tiny_network(N=8, w=3)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    y = torch.arange(4) % 2
+    ops, state = OpClock(), {"t": 0.0, "n": 0}
+
+    def less_work_slower():
+        state["t"] += 1e4 - (ops.n - state["n"])  # monotonic while an interval has < 1e4 calls
+        state["n"] = ops.n
+        return state["t"]
+    for clock in (lambda: 1.0, less_work_slower):
+        with ops:
+            c = netcal.module_costs(net.head, net.steps, net.h, net.tail, net.loss_fn, x, y, (2, 4),
+                                    repeats=1, clock=clock, depth=8)
+        assert all(v > 0 for v in c.layer_fwd.times + c.layer_fb.times), c
+        assert len(c.unreliable) == 4 and all("clamped" in n for n in c.unreliable)
+        assert "per-layer forward cost at batch 2" in c.unreliable[0]
+        assert ("fitted 0 <=" if clock() == 1.0 else "fitted -") in c.unreliable[0]
+        assert st.netcosts_from_json(st.netcosts_to_json(c)) == c
+        with pytest.warns(RuntimeWarning, match="calibration unreliable"):
+            rec = planner.recommend(net, x, 2, y, comm=FREE, costs=c, configs=[])
+        text = rec.report()
+        assert "**Calibration unreliable**" in text and "A layer costs" in text
+    with pytest.raises(ValueError, match=r"NetCosts.layer_fb times \(0.0,\): a residual layer costs > 0"):
+        st.NetCosts(4, st.Curve.const(1e-6), st.Curve.const(0.0))

@@ -40,6 +40,7 @@ def test_compare_histories_and_zero_dropping():
     assert compare_histories([1e-3], ref)  # shorter history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_histories_match_pymgrit_on_ranks(references, nprocs):
     results = run_mpi("tests.mpi_cases.pymgrit_cases:check_all", nprocs, timeout=120,

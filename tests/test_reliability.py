@@ -26,6 +26,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch, mpiexec_path
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 C = "tests.mpi_cases.reliability_cases"
 TMP = tempfile.mkdtemp(prefix="layerpar-rel-")

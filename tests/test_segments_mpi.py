@@ -15,6 +15,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 C = "tests.mpi_cases.segments_cases"
 BATCH = MPIBatch()
 for k in (1, 2, 3, 4):

@@ -22,6 +22,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch, mpiexec_path
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "experiments" / "train.py"
 TINY = ["--dataset", "digits", "--layers", "4", "--epochs", "1", "--limit-train", "200",

@@ -31,34 +31,40 @@ BATCH.add(2, "mismatch", f"{C}:check_mismatch_messages", ckpt_dir=TMP)
 BATCH.add(2, "cross", f"{C}:check_serial_checkpoint_into_mgrit", ckpt_dir=TMP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["serial", "mgrit"])
 def test_replicas_with_an_empty_shard_equal_one_replica(kind):
     errs = BATCH.run(2, f"dp_last_batch-{kind}")
     assert all(float(e) <= 1e-12 for e in errs), errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["serial", "mgrit"])
 def test_resume_after_interruption_is_bitwise(kind):
     losses = BATCH.run(2, f"resume-{kind}")
     assert len(set(losses)) == 1, losses
 
 
+@pytest.mark.slow
 def test_nan_residual_names_the_layer():
     msgs = BATCH.run(2, "nan_layer")
     assert len(set(msgs)) == 1 and "x_6" in msgs[0], msgs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["write", "prepare"])
 def test_failed_save_reaches_every_rank(where):
     msgs = BATCH.run(2, f"save_failure-{where}")
     assert len(set(msgs)) == 1, msgs
 
 
+@pytest.mark.slow
 def test_mismatched_checkpoint_is_named():
     cases = BATCH.run(2, "mismatch")
     assert len(set(cases)) == 1, cases
 
 
+@pytest.mark.slow
 def test_serial_checkpoint_resumes_layer_parallel():
     errs = BATCH.run(2, "cross")
     assert all(float(e) <= 1e-12 for e in errs), errs

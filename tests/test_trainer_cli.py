@@ -157,6 +157,7 @@ def _serial_reference():
                  "test_loss": test_loss}
 
 
+@pytest.mark.slow
 def test_researcher_script_on_4_ranks(tmp_path):
     """Issue 16: the README's script (<= 15 lines) trains layer-parallel x data-parallel with a
     checkpoint through the library loop; its result equals the serial plain loop (exact MGRIT,

@@ -12,6 +12,8 @@ import pytest
 
 from tests.mpi_harness import MPIBatch
 
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
+
 C = "tests.mpi_cases.transformer_cases"
 BATCH = MPIBatch()
 EXACT_CASES = [  # causal, N, levels, cfactor

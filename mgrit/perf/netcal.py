@@ -12,6 +12,9 @@
 
 Each cost is the median of ``repeats`` timings with ``clock`` (``time.perf_counter``; or
 ``time.process_time``, the CPU time of a one-thread process, robust on a shared machine).
+A residual layer's cost is never zero or negative: a fit the timings cannot resolve (noise on a
+loaded machine) is clamped to the clock's measured resolution and noted in
+``NetCosts.unreliable`` (:mod:`mgrit.perf.fits`).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from torch import nn
 from ..nn import LayerParallelResNet
 from ..nn.steps import ResidualStep
 from ..options import MGRITOptions
-from . import calibration
+from . import calibration, fits
 from .lean import LeanResNet
 from .model import StepCost, calibrate_step
 from .steptime import TrainCosts
@@ -59,17 +62,22 @@ def lean_costs(lean: LeanResNet, sizes: Sequence[int], repeats: int = 5,
                clock=time.perf_counter) -> NetCosts:
     """NetCosts of the lean loop over ``lean``'s layers (no head/tail; loss ``mean(out^2)``)."""
     N, w = lean.n_layers, lean.width
-    fwd, fb = [], []
+    fwd, fb, notes = [], [], []
+    floor = fits.clock_resolution(clock) / N
     for b in sizes:
         x = torch.randn(b, w, dtype=lean.WT.dtype)
         g = torch.randn(b, w, dtype=lean.WT.dtype)
         step = lambda: lean.sgd_step(0.0)  # noqa: E731 (between timings: caches as in training)
-        fwd.append(_med(lambda: lean.forward(x), repeats, clock, step) / N)
-        fb.append(_med(lambda: (lean.forward_store(x), lean.backward(g)), repeats, clock, step) / N)
+        fwd.append(fits.at_least_floor(_med(lambda: lean.forward(x), repeats, clock, step) / N, floor,
+                                       f"per-layer forward cost at batch {b}", notes))
+        fb.append(fits.at_least_floor(
+            _med(lambda: (lean.forward_store(x), lean.backward(g)), repeats, clock, step) / N, floor,
+            f"per-layer forward + backward cost at batch {b}", notes))
     opt = _med(lambda: lean.sgd_step(0.0), repeats, clock) / N
     es = lean.WT.element_size()
     return NetCosts(N, Curve(tuple(sizes), tuple(fwd)), Curve(tuple(sizes), tuple(fb)),
-                    opt_layer=opt, layer_bytes=(w * w + w) * es, state_bytes=w * es)
+                    opt_layer=opt, layer_bytes=(w * w + w) * es, state_bytes=w * es,
+                    unreliable=tuple(notes))
 
 
 def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
@@ -102,6 +110,8 @@ def module_costs(head: nn.Module | None, steps: Sequence[nn.Module], h: float,
     nets = {d: nn.Sequential(head, *body[:d], tail) for d in {d1, d2}}
     params = [p for m in (head, *steps, tail) for p in m.parameters() if p.requires_grad]
     curves = {k: [] for k in ("lf", "lfb", "hf", "hfb", "tf", "tfb")}
+    notes = []  # fits the timings could not resolve (clamped, see mgrit.perf.fits)
+    floor = fits.clock_resolution(clock) / max(d2 - d1, 1)  # a slope's resolution
     with torch.no_grad():
         z0 = head(_rows(x, 1))
     shape = tuple(z0.shape[1:])
@@ -121,8 +131,12 @@ def module_costs(head: nn.Module | None, steps: Sequence[nn.Module], h: float,
         with torch.no_grad():
             f = {d: _med(lambda: loss_fn(nets[d](xb), tb), repeats, clock, opt.step) for d in nets}
         t = {d: _med(lambda: fb(nets[d]), repeats, clock, opt.step) for d in nets}
-        lf = (f[d2] - f[d1]) / (d2 - d1) if d2 > d1 else 0.0
-        lfb = (t[d2] - t[d1]) / (d2 - d1) if d2 > d1 else 0.0
+        lf = fits.at_least_floor((f[d2] - f[d1]) / (d2 - d1) if d2 > d1 else 0.0, floor,
+                                 f"per-layer forward cost at batch {b} (slope over depths {d1}, {d2})",
+                                 notes)
+        lfb = fits.at_least_floor((t[d2] - t[d1]) / (d2 - d1) if d2 > d1 else 0.0, floor,
+                                  f"per-layer forward + backward cost at batch {b} (slope over depths "
+                                  f"{d1}, {d2})", notes)
         curves["lf"].append(lf)
         curves["lfb"].append(lfb)
         with torch.no_grad():  # head and tail on their own: how the intercept splits
@@ -157,7 +171,7 @@ def module_costs(head: nn.Module | None, steps: Sequence[nn.Module], h: float,
     return NetCosts(N, c["lf"], c["lfb"], c["hf"], c["hfb"], c["tf"], c["tfb"],
                     opt_layer=per_layer, opt_other=t_opt * other_n / max(total_n, 1),
                     layer_bytes=layer_n * es // N, other_bytes=other_n * es,
-                    state_bytes=z0[0].numel() * es)
+                    state_bytes=z0[0].numel() * es, unreliable=tuple(notes))
 
 
 def mgrit_costs(steps: Sequence[nn.Module], state_shape, T: float, z: torch.Tensor,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -84,14 +85,17 @@ class Recommendation:
         b = self.best
         ser = next(o for o in self.options if o.kind == "serial")
         L = [f"**Recommendation for P = {self.P}, batch {self.batch}: {b.label}** -- predicted "
-             f"{b.time * 1e3:.2f} ms per training step, {ser.time / b.time:.2f}x the serial step.", ""]
+             f"{b.time * 1e3:.2f} ms per training step, {_times(ser.time, b.time)} the serial step.", ""]
+        if self.costs is not None and self.costs.unreliable:
+            L += ["**Calibration unreliable** (the prediction may be off): "
+                  + "; ".join(self.costs.unreliable), ""]
         L += ["Why: " + " ".join(_reasons(self)), "",
               "| option | grid P_L x P_D | settings | predicted step [ms] | vs serial | note |",
               "|---|---|---|---|---|---|"]
         for o in sorted(self.options, key=lambda o: o.time):
             s = ", ".join(f"{k} {v}" for k, v in o.settings.items())
             L.append(f"| {'**' + o.kind + '**' if o is b else o.kind} | {o.P_L} x {o.P_D} | {s} | "
-                     f"{o.time * 1e3:.2f} | {ser.time / o.time:.2f}x | {o.note} |")
+                     f"{o.time * 1e3:.2f} | {_times(ser.time, o.time)} | {o.note} |")
         if self.probes:
             L += ["", f"Convergence probe (cold start, sample batch; gradient error target "
                   f"{self.grad_tol:g}, relative to exact backpropagation):", "",
@@ -104,6 +108,11 @@ class Recommendation:
                 L.append(f"| {p.config} | {p.factor:.3f} | {fmt(p.fwd_err)} | {fmt(p.bwd_err)} | "
                          f"{ch} | {'-' if p.err is None else f'{p.err:.1e}'} |")
         return "\n".join(L)
+
+
+def _times(a: float, b: float) -> str:
+    """``a / b`` as ``"1.23x"``; ``"n/a"`` when ``b`` is not > 0 (never divides by it)."""
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
 def _reasons(rec: Recommendation) -> list:
@@ -119,14 +128,16 @@ def _reasons(rec: Recommendation) -> list:
                    f"within {rec.margin:.0%} of {b.kind} (the planner's margin, about the "
                    f"model's error): the simpler option is recommended.")
     elif others:
-        out.append(f"{b.kind} is {others[0].time / b.time:.2f}x faster than the next kind, "
+        out.append(f"{b.kind} is {_times(others[0].time, b.time)} faster than the next kind, "
                    f"{others[0].label} ({others[0].time * 1e3:.2f} ms).")
     c = rec.costs
     if c is not None and rec.P > 1:
         shard = -(-rec.batch // rec.P)
-        r = c.layer_fb(shard) / c.layer_fb(rec.batch)
-        out.append(f"A layer costs {r:.2f}x as much at the shard size {shard} as at batch "
-                   f"{rec.batch} ({'call-bound: splitting the batch gains little' if r > 0.7 else 'it scales with the batch: data parallelism gains'}).")
+        num, den = c.layer_fb(shard), c.layer_fb(rec.batch)
+        if den > 0:  # > 0 by NetCosts' contract; the guard keeps a report from dividing by 0
+            r = num / den
+            out.append(f"A layer costs {r:.2f}x as much at the shard size {shard} as at batch "
+                       f"{rec.batch} ({'call-bound: splitting the batch gains little' if r > 0.7 else 'it scales with the batch: data parallelism gains'}).")
     if "MGRIT" in best:
         o = best["MGRIT"]
         out.append(f"MGRIT needs K_f = {o.settings['K_f']} / K_b = {o.settings['K_b']} cycles for "
@@ -222,6 +233,10 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
     Raises:
         ValueError: ``P < 1``, an empty batch, ``grad_tol <= 0``, ``max_iters < 1``,
             ``margin`` not in [0, 1].
+
+    Warns:
+        RuntimeWarning: the calibration could not resolve some costs (``costs.unreliable``:
+            fits clamped to the clock's resolution; the report repeats the notes).
     """
     if isinstance(P, bool) or not isinstance(P, int) or P < 1:
         raise ValueError(f"P={P!r} is not allowed: use an int >= 1")
@@ -235,6 +250,9 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
     cfgs = list(configs) if configs is not None else mgrit_configs(N)
     if costs is None:
         costs = calibrate(network, x, target, P, cfgs, repeats, clock)
+    if costs.unreliable:
+        warnings.warn("planner: calibration unreliable, predictions may be off: "
+                      + "; ".join(costs.unreliable), RuntimeWarning, stacklevel=2)
     probes = []
     if P > 1 and cfgs and costs.mgrit is not None and P <= N:
         z0 = network.residual_input(x)

@@ -89,6 +89,12 @@ class NetCosts:
         layer_bytes, other_bytes: parameter (= gradient) bytes per residual layer, head + tail.
         state_bytes: bytes of one sample's state (a pipeline / MGRIT message per sample).
         mgrit: ``batch -> TrainCosts`` of the MGRIT chains at that batch (shard) size, or None.
+        unreliable: notes on fits the calibration could not resolve (clamped to a measured
+            floor, :mod:`mgrit.perf.fits`); empty when every fit was resolved.
+
+    Raises:
+        ValueError: a residual layer's ``layer_fwd``/``layer_fb`` time <= 0 at a measured size
+            (a layer always costs something; calibrations clamp unresolved fits and say so).
     """
     n_layers: int
     layer_fwd: Curve
@@ -104,6 +110,16 @@ class NetCosts:
     other_bytes: int = 0
     state_bytes: int = 0
     mgrit: Callable[[int], TrainCosts] | None = field(default=None, compare=False)
+    unreliable: tuple = ()
+
+    def __post_init__(self):
+        for name in ("layer_fwd", "layer_fb"):
+            t = getattr(self, name).times
+            if not all(v > 0 for v in t):
+                raise ValueError(f"NetCosts.{name} times {t!r}: a residual layer costs > 0 at every "
+                                 f"measured batch size (clamp an unresolved fit with "
+                                 f"mgrit.perf.fits.at_least_floor)")
+        object.__setattr__(self, "unreliable", tuple(str(n) for n in self.unreliable))
 
 
 def allreduce_time(nbytes: int, p: int, comm: CommCost) -> float:
@@ -202,13 +218,14 @@ def grids(P: int, N: int, b: int) -> list:
 
 def netcosts_to_json(c: NetCosts) -> dict:
     """A JSON-able dict of ``c`` (curves as ``[sizes, times]``; the MGRIT costs are dropped)."""
-    return {k: ([list(v.sizes), list(v.times)] if isinstance(v, Curve) else v)
+    return {k: ([list(v.sizes), list(v.times)] if isinstance(v, Curve) else
+                list(v) if k == "unreliable" else v)
             for k, v in ((k, getattr(c, k)) for k in c.__dataclass_fields__ if k != "mgrit")}
 
 
 def netcosts_from_json(d: dict, mgrit: Callable[[int], TrainCosts] | None = None) -> NetCosts:
-    return NetCosts(**{k: (Curve(*v) if isinstance(v, list) else v) for k, v in d.items()},
-                    mgrit=mgrit)
+    return NetCosts(**{k: (Curve(*v) if isinstance(v, list) and k != "unreliable" else v)
+                       for k, v in d.items()}, mgrit=mgrit)
 
 
 def reduce_netcosts(cs: Sequence[NetCosts], reduce: Callable) -> NetCosts:
@@ -222,6 +239,8 @@ def reduce_netcosts(cs: Sequence[NetCosts], reduce: Callable) -> NetCosts:
                                           for i in range(len(v.sizes))))
         elif k == "mgrit":
             out[k] = v
+        elif k == "unreliable":  # every note of every reduced calibration, once
+            out[k] = tuple(dict.fromkeys(n for c in cs for n in c.unreliable))
         elif k == "n_layers" or k.endswith("_bytes"):
             out[k] = v
         else:

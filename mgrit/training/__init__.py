@@ -44,14 +44,18 @@ One step, through the modules::
      epoch end: allreduce totals, evaluate(test), EpochRecord -> on_epoch_end (metrics.h5),
                 checkpoint.save_checkpoint (atomic, weights-only contents)  [grid.comm]
 """
-from .bias import BiasMonitor
-from .callbacks import ConsoleLog, ProgressBar
-from .faults import fail_fast
-from .guard import ConvergenceGuard
-from .method import TrainingMethod
-from .metrics import MetricsWriter
-from .records import FitResult, StepRecord
-from .trainer import Trainer
+from .datapkg import require_data_package
+
+require_data_package()  # before any module here imports data: a user's data.py is one clear line
+
+from .bias import BiasMonitor  # noqa: E402
+from .callbacks import ConsoleLog, ProgressBar  # noqa: E402
+from .faults import fail_fast  # noqa: E402
+from .guard import ConvergenceGuard  # noqa: E402
+from .method import TrainingMethod  # noqa: E402
+from .metrics import MetricsWriter  # noqa: E402
+from .records import FitResult, StepRecord  # noqa: E402
+from .trainer import Trainer  # noqa: E402
 
 __all__ = ["Trainer", "TrainingMethod", "FitResult", "StepRecord", "ConvergenceGuard",
            "BiasMonitor", "ProgressBar", "ConsoleLog", "MetricsWriter", "fail_fast"]

@@ -67,10 +67,16 @@ import json
 import math
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from torch import nn
 
 from .bias_estimate import REFERENCES, BiasEstimate, _is_int, _is_pos_number, measure_bias
 from .nets import replace_solver, segments
+
+if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
+    from .records import FitPlan, FitResult, StepRecord
+    from .trainer import Trainer
 
 __all__ = ["BiasMonitor", "BiasEstimate", "measure_bias", "ACTIONS", "REFERENCES"]
 
@@ -189,7 +195,7 @@ class BiasMonitor:
             return "serial" if self.at_cap == "serial" else "log"
         return self.action
 
-    def apply(self, net, action: str) -> dict:
+    def apply(self, net: nn.Module, action: str) -> dict:
         """Apply ``"raise"`` or ``"serial"`` to every segment of ``net`` (the same call on every
         rank; no communication). Returns ``{segment index: {option: [old, new]}}``."""
         if action not in ("raise", "serial"):
@@ -219,7 +225,7 @@ class BiasMonitor:
         return all(f >= self.max_fwd_iters and b >= self.max_bwd_iters for f, b, _ in _iters(net))
 
     # -- training-loop callback ----------------------------------------------------------------
-    def on_fit_start(self, trainer, plan) -> None:
+    def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         """Refuse a serial network (every rank, before training); re-apply the solver options
         of a resumed run (:meth:`load_state_dict`)."""
         self._check_net(trainer.net)
@@ -232,7 +238,7 @@ class BiasMonitor:
                              "with LayerParallelResNet segments): a serial network has no "
                              "solver bias; remove the monitor")
 
-    def restore(self, net) -> None:
+    def restore(self, net: nn.Module) -> None:
         """Put the cycle counts and the serial switch of a loaded state onto ``net`` (called by
         :meth:`on_fit_start`; call it yourself after ``Trainer.load`` in a hand-written loop).
 
@@ -255,7 +261,7 @@ class BiasMonitor:
         if pending["options"] is not None:
             self._options = [tuple(x) for x in pending["options"]]
 
-    def on_after_backward(self, trainer, record) -> None:
+    def on_after_backward(self, trainer: Trainer, record: StepRecord) -> None:
         """Every ``every`` steps: measure on the step's batch, decide, act, log (collective)."""
         if self.serial or (record.step + 1) % self.every:
             return
@@ -293,7 +299,7 @@ class BiasMonitor:
                           f"{self.ratio:g} x noise {est.noise:.3g} in {self.window} check(s) in "
                           f"a row: {what}; now {opts}")
 
-    def on_fit_end(self, trainer, result) -> None:
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         acted = [e for e in self.events if e["action"] in ("raise", "serial")]
         if trainer.is_root and self.checks:
             where = f"; log {self.log_path}" if self.log_path else ""

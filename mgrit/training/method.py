@@ -26,7 +26,7 @@ Depends on torch and mpi4py only.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from mpi4py import MPI
@@ -68,7 +68,7 @@ class TrainingMethod(nn.Module):
         """Whether this rank holds the network's output (its :meth:`forward` returns it)."""
         return self.comm.Get_rank() == self.last_rank
 
-    def from_last(self, value):
+    def from_last(self, value: Any) -> Any:
         """``value`` of the output rank on every layer rank (one ``bcast`` when ``comm`` has
         more than one rank)."""
         if self.comm.Get_size() == 1:
@@ -112,7 +112,7 @@ class TrainingMethod(nn.Module):
         """Called after the last step of an epoch, before the totals and the evaluation
         (e.g. wait for outstanding messages, release gradients). Default: nothing."""
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The network's output for a chunk of :meth:`inputs` rows (evaluation: called in
         eval mode under ``no_grad`` on every rank with the same chunk), on the output rank;
         anything (e.g. None) elsewhere."""

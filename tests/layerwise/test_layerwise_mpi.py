@@ -13,7 +13,11 @@ Trainer (serial and layer-parallel networks, unequal and empty shards) equals on
 
 Checks sharing a rank count run in one launch (interpreter start-up dominates)."""
 
+import pytest
+
 from tests.mpi_harness import run_mpi
+
+pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 CASES = "tests.mpi_cases.layerwise_cases"
 EQ = "check_pipeline_equals_serial"
@@ -110,7 +114,6 @@ def test_two_stages_times_two_replicas_equals_single_process():
 def test_error_on_one_rank_aborts_instead_of_hanging():
     """The job ends with rank 0's message; a hang would end in the harness's timeout instead
     (no wall-clock assertion: the test cannot fail on a slow machine for being slow)."""
-    import pytest
     with pytest.raises(pytest.fail.Exception) as info:
         run_mpi(f"{CASES}:check_error_aborts", 2, timeout=120)
     assert "deliberate failure on rank 0" in str(info.value)

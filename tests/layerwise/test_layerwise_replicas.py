@@ -158,6 +158,7 @@ def _data(n=40, d=12, classes=4, seed=1):
     return torch.randn(n, d, generator=g, dtype=torch.float64), torch.randint(0, classes, (n,), generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grow", ["top", "before_output"])
 def test_finished_stages_release_gradients_and_optimizer_state(monkeypatch, grow):
     """Frozen layers hold no stale gradient and finished stages no optimizer state, during

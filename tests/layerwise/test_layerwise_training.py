@@ -115,6 +115,7 @@ def test_async_dgl_replay_buffer_is_bounded_and_trains():
     assert last["loss"] < first["loss"]
 
 
+@pytest.mark.slow
 def test_digits_accuracy_end_to_end_sequential_decoupled():
     from sklearn.datasets import load_digits
     X, yy = load_digits(return_X_y=True)
