@@ -67,8 +67,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "global_hooks_registered",
-           "quiet"]
+__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled",
+           "global_hooks_registered", "quiet"]
 
 #: per-module hook dicts that change what calling a module does (torch's own names)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
