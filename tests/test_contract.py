@@ -93,6 +93,19 @@ def test_training_loop_needs_no_rescan(maker):
     assert lp._fingerprint.same() == native  # the vmap path applies the template's flags
 
 
+def test_copies_watch_their_own_dicts():
+    """A deep copy of a model (also what pickling does) holds plain dicts: its first check
+    rebuilds and watches them, so a parameter replaced in the copy is seen."""
+    import copy
+    lp = LayerParallelResNet.build(lambda k: DenseStep(3), 4, (3,))
+    cp = copy.deepcopy(lp)
+    assert not cp._fingerprint.same()
+    cp._restructure()
+    assert cp._fingerprint.same()
+    cp.steps[1].linear.weight = torch.nn.Parameter(torch.ones(3, 3))
+    assert not cp._fingerprint.same() and lp._fingerprint.same()
+
+
 def test_snapshot_sees_a_changed_dtype():
     """One layer's ``.double()`` after build (identity kept, dtype changed): the next snapshot
     notices (torch.stack would promote) and the chain is proved again: per layer, like serial."""
