@@ -93,6 +93,19 @@ def test_training_loop_needs_no_rescan(maker):
     assert lp._fingerprint.same() == native  # the vmap path applies the template's flags
 
 
+def test_copies_watch_their_own_dicts():
+    """A deep copy of a model (also what pickling does) holds plain dicts: its first check
+    rebuilds and watches them, so a parameter replaced in the copy is seen."""
+    import copy
+    lp = LayerParallelResNet.build(lambda k: DenseStep(3), 4, (3,))
+    cp = copy.deepcopy(lp)
+    assert not cp._fingerprint.same()
+    cp._restructure()
+    assert cp._fingerprint.same()
+    cp.steps[1].linear.weight = torch.nn.Parameter(torch.ones(3, 3))
+    assert not cp._fingerprint.same() and lp._fingerprint.same()
+
+
 def test_snapshot_sees_a_changed_dtype():
     """One layer's ``.double()`` after build (identity kept, dtype changed): the next snapshot
     notices (torch.stack would promote) and the chain is proved again: per layer, like serial."""
@@ -102,3 +115,41 @@ def test_snapshot_sees_a_changed_dtype():
     assert lp._fingerprint.same()  # not a fingerprint fact: the snapshot checks it
     assert lp._chain.refresh() == {}
     assert "dtypes" in lp.batching_obstacle
+
+
+def test_checkpoints_of_compiled_and_plain_runs_load_into_each_other(tmp_path):
+    """Item 8 through the training checkpoint (one process): a LayerParallelNet with
+    ``torch.compile``d steps and opening and the plain one, and a compiled serial model and
+    the plain one, save checkpoints the other loads (weights and optimizer state equal)."""
+    from torch import nn
+
+    from mgrit.nn import LayerParallelNet
+    from mgrit.training.checkpoint import load_checkpoint, save_checkpoint
+
+    def lp_net(compiled, seed):
+        wrap = (lambda m: torch.compile(m, backend="eager")) if compiled else (lambda m: m)
+        torch.manual_seed(seed)
+        seg = LayerParallelResNet.build(lambda k: wrap(DenseStep(3)), 4, (3,), seed=seed,
+                                        forward=C.EXACT, backward=C.EXACT)
+        return LayerParallelNet(wrap(nn.Linear(2, 3)), seg, nn.Linear(3, 2))
+
+    def serial(compiled, seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))
+        return torch.compile(m, backend="eager") if compiled else m
+
+    for make in (lp_net, serial):
+        for src_compiled in (True, False):
+            src, dst = make(src_compiled, 1), make(not src_compiled, 2)
+            opt = torch.optim.SGD(src.parameters(), lr=0.1, momentum=0.9)
+            for i, p in enumerate(src.parameters()):  # (no forward: no dynamo tracing here)
+                p.grad = torch.full_like(p, 0.1 * i)
+            opt.step()
+            path = tmp_path / f"{make.__name__}-{src_compiled}.pt"
+            save_checkpoint(path, src, opt)
+            opt2 = torch.optim.SGD(dst.parameters(), lr=0.1, momentum=0.9)
+            load_checkpoint(path, dst, opt2)
+            for p, q in zip(src.parameters(), dst.parameters()):
+                assert torch.equal(p, q)
+                assert torch.equal(opt.state[p]["momentum_buffer"],
+                                   opt2.state[q]["momentum_buffer"])

@@ -13,8 +13,8 @@ at the forward from the layers' *current* parameters and buffers (the fingerprin
 start of the forward rebuilds the stacked lists after a replacement), and the backward checks
 the fingerprint again: a step module whose parameters, buffers or submodules were replaced
 since the forward (its epoch changed) is a RuntimeError on every rank, never an adjoint of
-other modules; an in-place change of the forward's tensors is autograd's version error. The module keeps
-only the warm start (an initial guess; no gradient depends on it).
+other modules; an in-place change of the forward's tensors is autograd's version error.
+The module keeps only the warm start (an initial guess; no gradient depends on it).
 
 Order across ranks: each backward is a collective adjoint solve, so every rank must run the
 same nodes in the same order. The autograd engine runs, among ready nodes, the one created last

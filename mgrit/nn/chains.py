@@ -33,7 +33,8 @@ differ in nothing but parameter and buffer values (private attributes, tensor at
 closures and hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise every
 layer is evaluated with its own module. A native kernel (``forward_batched``,
 ``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.contract.kernel` allows it:
-never one inherited from a class whose ``forward`` is not the one the module calls. A module contributed by a user may provide
+never one inherited from a class whose ``forward`` is not the one the module calls.
+A module contributed by a user may provide
 ``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
 ``B`` layers stacked along dim 0, ``x`` is ``(B, batch, *state_shape)``, the result has the
 shape of ``x`` and row ``b`` must equal ``module_b(x[b])``. Optional, for speed:

@@ -55,8 +55,9 @@ grad mode is read at every call by the kernels that depend on it. Native kernels
 
 Not covered (compared by the batching proof when the chain is rebuilt, i.e. after any change
 above or :meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure`): plain Python
-attributes of a step assigned after build (``step._c = 2.0``) -- checking them on every call
-would cost Python work per attribute; per-layer state that changes belongs in a buffer.
+attributes of a step assigned after build (``step._c = 2.0``, also ``step.forward = f``) and
+``__class__`` assignment -- checking them on every call would cost Python work per attribute;
+per-layer state that changes belongs in a buffer, and a changed function in a subclass.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled", "global_hooks_registered",
-           "quiet"]
+__all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled",
+           "global_hooks_registered", "quiet"]
 
 #: per-module hook dicts that change what calling a module does (torch's own names)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -273,6 +274,12 @@ class Fingerprint:
         self._period = per[0] if per and len(set(per)) == 1 and 1 + sum(per) == len(mods) else 0
         self._seen = _EPOCH[0]
         self.epoch += 1
+
+    def __setstate__(self, state):
+        """A copy or unpickled model holds plain dicts (see ``_Watched.__reduce_ex__``): its
+        next check fails and rebuilds the fast paths, which watches the copied dicts."""
+        self.__dict__.update(state)
+        self._total = self._seen = -1
 
     def _scan(self) -> bool:
         """The full comparison of the structure with the record (after a watched write)."""

@@ -28,12 +28,13 @@ forward take the serial pipeline of the one-level path whatever the options (a
 ``UserWarning`` says so): hooks then fire once per layer on the serial states, their returned
 values used as in serial, and autocast has serial semantics in the backward too -- MGRIT would
 run each layer many times on intermediate iterates and its adjoint outside autocast. The
-decision is agreed by every rank (one small ``allgather`` per forward when ``P > 1`` and the
+decision is agreed by every rank (one ``Allreduce`` of an int per forward when ``P > 1`` and the
 solve has several levels). State-dict keys do not depend on ``torch.compile`` of steps
 (:mod:`mgrit.nn.compiled`).
 """
 from __future__ import annotations
 
+import array
 import copy
 import math
 import warnings
@@ -59,6 +60,10 @@ from .steps import ResidualStep
 from .tied import TiedLayers, tie_groups
 
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
+
+#: why a forward runs the serial pipeline (index: agreed code, the largest of every rank's)
+_SERIAL_REASONS = (None, "torch.autocast is active",
+                   "module hooks are registered on the step modules (or globally)")
 
 
 class LayerParallelResNet(SolverControls, nn.Module):
@@ -343,15 +348,14 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     def _serial_reason(self) -> str | None:
         """Why this forward must run the serial pipeline instead of MGRIT (hooks on the steps
-        or global module hooks; autocast), agreed by every rank (one small ``allgather`` when
-        ``P > 1``), or ``None``."""
-        reason = None
-        if self._fingerprint.hooked():
-            reason = "module hooks are registered on the step modules (or globally)"
-        elif autocast_enabled(self.device):
-            reason = "torch.autocast is active"
-        if self.comm.Get_size() > 1:
-            reason = next((r for r in self.comm.allgather(reason) if r), None)
+        or global module hooks; autocast), agreed by every rank (when
+        ``P > 1``: an ``Allreduce`` of one int), or ``None``."""
+        code = 2 if self._fingerprint.hooked() else 1 if autocast_enabled(self.device) else 0
+        if self.comm.Get_size() > 1:  # the most serious reason of any rank, on every rank
+            buf = array.array("i", [code])
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+            code = buf[0]
+        reason = _SERIAL_REASONS[code]
         if reason:
             why = ("hooks fire once per layer on the serial states" if "hook" in reason else
                    "autocast has serial semantics in the forward and the backward")

@@ -286,7 +286,7 @@ def check_compiled_state_dict():
     opts = dict(forward=EXACT, backward=EXACT, comm=COMM, T=T)
     a = LayerParallelResNet.build(compiled, 4, (3,), seed=SEED, **opts)
     b = LayerParallelResNet.build(make, 4, (3,), seed=SEED + 1, **opts)
-    assert list(a.state_dict()) == list(b.state_dict()), (list(a.state_dict()), list(b.state_dict()))
+    assert list(a.state_dict()) == list(b.state_dict()), list(a.state_dict())
     a.load_state_dict(b.state_dict())
     for s, t in zip(a.steps, b.steps):
         for p, q in zip(s.parameters(), t.parameters()):
