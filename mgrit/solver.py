@@ -217,7 +217,7 @@ class MGRIT:
 
     # -- solve ---------------------------------------------------------------------------
     # a failure on one rank ends the job (mgrit.collective); the NaN/Inf verdict is agreed
-    @guarded("MGRIT solve", agreed_types=(FloatingPointError,))
+    @guarded("MGRIT solve", agreed_types=(FloatingPointError, UnconvergedError))
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
               state_shape=None) -> MGRITResult:
