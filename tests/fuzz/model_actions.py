@@ -101,6 +101,8 @@ class ModelActions:
             fresh.train(self.twin.lp.training)
             self.twin.lp = fresh
         both("lp", lp)
+        for p in self.twin.ser.parameters():  # a new model: gradients are not in a checkpoint
+            p.grad = None
         while self.hooks:  # the new model has none: drop the serial ones too
             self.a_hook_remove(both)
         self.counts = {"lp": {}, "ser": {}}

@@ -76,8 +76,8 @@ def _kinds(spec, enabled, pending, hooks):
         out += ["hook_add"] * 2 + ["hook_remove"] * (2 if hooks else 0)
     for feat, kind in (("clip", "clip"), ("replace_param", "replace_param"),
                        ("load_assign", "load_assign"), ("nan", "nan_backward")):
-        if feat in enabled:
-            out.append(kind)
+        if feat in enabled:  # weighted up: enabled to be looked for
+            out += [kind] * 3
     return out
 
 
