@@ -48,7 +48,8 @@ def _ranks(text: str) -> list:
 
 
 def _chunk(ranks, seeds, enabled, out: Path, timeout, budget):
-    """One mpiexec over ``seeds``; returns (summary or None, findings added, last seed run)."""
+    """One mpiexec over ``seeds``; returns ``(summary or None, the last seed it ran or None)``;
+    a job that failed is recorded as a finding with the program it was running."""
     findings, progress = out / "findings.jsonl", out / f"progress-{ranks}.json"
     progress.unlink(missing_ok=True)
     kwargs = {"seeds": seeds, "enabled": enabled, "findings": str(findings),
@@ -66,7 +67,7 @@ def _chunk(ranks, seeds, enabled, out: Path, timeout, budget):
             "program": running and running["program"]}
     with open(findings, "a") as fh:
         fh.write(json.dumps(item) + "\n")
-    return None, (running["seed"] if running else seeds[-1])
+    return None, (running["seed"] if running else None)  # None: the job ran no program
 
 
 def campaign(args) -> int:
@@ -86,7 +87,7 @@ def campaign(args) -> int:
             t = time.time()
             while seeds:
                 summary, last = _chunk(r, seeds, enabled, out, args.timeout, args.budget)
-                done = seeds[:seeds.index(last) + 1]
+                done = seeds[:seeds.index(last) + 1] if last is not None else []
                 s = stats[r]
                 s["programs"] += len(done)
                 if summary:
@@ -96,7 +97,7 @@ def campaign(args) -> int:
                 else:
                     s["failures"] += 1
                     s["counts"]["job_failed"] = s["counts"].get("job_failed", 0) + 1
-                seeds = seeds[len(done):]
+                seeds = seeds[len(done):] if done else []  # a job that ran nothing: give up
             stats[r]["seconds"] += time.time() - t
         seed += args.chunk
         _report(stats, out, enabled, t0)
