@@ -325,7 +325,7 @@ def _decide(kind, args, every):
     lp_exc = [e[1] for e in every]
     ser_exc = every[0][0]
     problems = [f"rank {r}: {p}" for r, e in enumerate(every) for p in e[2]]
-    if problems:
+    if problems and not ser_exc and not any(lp_exc):  # (after an exception: its verdict)
         return {"status": "fail", "message": "; ".join(problems[:4])}
     if any(lp_exc) and not all(lp_exc):
         return {"status": "fail", "message": f"ranks disagree: exceptions {lp_exc}"}
