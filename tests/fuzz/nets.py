@@ -99,6 +99,20 @@ class ScaledConv(ConvStep):
         return self.scale * super().forward(x)
 
 
+class BufferTokenMix(nn.Module):
+    """A user transformer-shaped step with a per-layer buffer: LayerNorm, then a linear map
+    over features and one over tokens; states ``(batch, tokens, d)``."""
+
+    def __init__(self, tokens, d, k):
+        super().__init__()
+        self.norm, self.feat, self.tok = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(tokens, tokens)
+        self.register_buffer("shift", torch.tensor(0.1 * (k + 1)))
+
+    def forward(self, x):
+        z = self.feat(self.norm(x))
+        return torch.tanh(self.tok(z.transpose(1, 2)).transpose(1, 2) + self.shift)
+
+
 class HalfTransformer(TransformerStep):
     def forward(self, x):
         return 0.5 * super().forward(x)
@@ -128,7 +142,7 @@ def step_maker(kind: str, step: str, width: int = W):
     elif kind == "transformer":
         table = {"shipped": lambda k: TransformerStep(DM, 2, d_ff=2 * DM),
                  "user": lambda k: TransformerStep(DM, 2, d_ff=2 * DM, causal=True),
-                 "buffer": lambda k: ScaledTransformer(DM, k),
+                 "buffer": lambda k: BufferTokenMix(TOK, DM, k),
                  "subclass": lambda k: HalfTransformer(DM, 2, d_ff=2 * DM),
                  "subclass_buffer": lambda k: ScaledTransformer(DM, k)}
     else:
