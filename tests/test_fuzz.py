@@ -71,7 +71,6 @@ def test_programs_are_deterministic_and_gated():
         p = from_seed(s, frozenset())
         assert p["net"]["step"] not in ("subclass", "subclass_buffer") and not p["net"]["compiled"]
         assert not gated & {a[0] for a in p["actions"]}
-        assert all(a[1].get("mode") != "autocast" for a in p["actions"])
         if p["net"]["levels"] > 1:
             assert all(a[0] != "hook_add" for a in p["actions"])
         if p["net"]["dp"] > 1:  # under data parallelism: no unfreezing
