@@ -30,14 +30,18 @@ W, CH, HW, TOK, DM, SEQ = 3, 2, 4, 3, 4, 4  # widths, channels, pixels, tokens, 
 
 
 class UserDense(nn.Module):
-    """A user step: ``tanh(W x + b) * sigmoid-ish gate`` (not a shipped class)."""
+    """A user step: ``tanh(W x + b) * (1 + x / 10)`` (not a shipped class). Buffer ``poison``
+    (0): set to 1, the forward is unchanged but its vector-Jacobian product is NaN (the
+    unselected branch of ``torch.where`` is NaN), as serial autograd computes it."""
 
     def __init__(self, width):
         super().__init__()
         self.lin = nn.Linear(width, width)
+        self.register_buffer("poison", torch.tensor(0.0))
 
     def forward(self, x):
-        return torch.tanh(self.lin(x)) * (1.0 + 0.1 * x)
+        y = torch.tanh(self.lin(x)) * (1.0 + 0.1 * x)
+        return torch.where(self.poison > 2, torch.sqrt(1 - self.poison * (2 + y * y)), y)
 
 
 class BufferDense(UserDense):
