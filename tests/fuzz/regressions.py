@@ -29,16 +29,23 @@ REGRESSIONS = [
     {"feature": "subclass_step", "issue": "item 1", "ranks": 1, "source": "seed 1016",
      "program": {"net": _net("transformer", "subclass_buffer", seed=1047),
                  "actions": [["forward", {"mode": "no_grad", "x": 105}]]}},
-    # item 2: forward hooks on steps, 2 levels: fire 80-161 times per layer or never (P=2)
-    {"feature": "hooks_multilevel", "issue": "item 2", "ranks": 2, "source": "hand-reduced",
-     "program": {"net": _net(), "actions": [["hook_add", {"kind": "count"}], FWD]}},
-    {"feature": "hooks_multilevel", "issue": "item 2", "ranks": 1, "source": "hand-reduced",
-     "program": {"net": _net(), "actions": [["hook_add", {"kind": "scale"}], FWD, BWD]}},
-    # item 3: a parameter replaced / loaded with assign=True, then a forward (8e-3, 1.2e-2 off)
+    # item 2: a counting forward hook on every step, 2 levels: never fires on 1-2 ranks, 3-5
+    # times per layer on the last ranks of 3 (serial: once per layer; seed 506, 2 actions)
+    *[{"feature": "hooks_multilevel", "issue": "item 2", "ranks": k, "source": "seed 506",
+       "program": {"net": _net(seed=8600), "actions": [
+           ["hook_add", {"kind": "count"}], ["forward", {"mode": "inference", "x": 25}]]}}
+      for k in (1, 2, 3)],
+    # item 3: parameters loaded with assign=True (2.2e-2 off; seed 505) / replaced (8e-3 off)
+    *[{"feature": "load_assign", "issue": "item 3", "ranks": k, "source": "seed 505",
+       "program": {"net": _net(seed=7705), "actions": [
+           ["load_assign", {"scale": 1.1}], ["forward", {"mode": "no_grad", "x": 20}]]}}
+      for k in (1, 2)],
+    # ... and the new parameters get no gradient (P=3; seed 517)
+    {"feature": "load_assign", "issue": "item 3", "ranks": 3, "source": "seed 517",
+     "program": {"net": _net(seed=2832), "actions": [
+         ["load_assign", {"scale": 1.1}], ["accumulate", {"chunks": 3, "w": 959, "x": 8}]]}},
     {"feature": "replace_param", "issue": "item 3", "ranks": 1, "source": "hand-reduced",
      "program": {"net": _net(seed=1), "actions": [["replace_param", {"p": 3}], FWD, BWD]}},
-    {"feature": "load_assign", "issue": "item 3", "ranks": 2, "source": "hand-reduced",
-     "program": {"net": _net(seed=1), "actions": [["load_assign", {"scale": 0.9}], FWD, BWD]}},
     # item 4: frozen when the buckets are built (new optimizer), unfrozen, then trained (P=2,
     # 2 replicas): the parameter is not averaged (0.36 off)
     {"feature": "unfreeze_dp", "issue": "item 4", "ranks": 2, "source": "hand-reduced",
