@@ -15,7 +15,9 @@ gradient clipping, forward hooks and pre-hooks added/removed (counted, or changi
 parameters replaced or loaded with ``assign=True``, a checkpoint round trip (gather,
 ``torch.save``, ``torch.load(weights_only=True)``, load into a new model with other weights),
 the gathered weights loaded into the same network on one rank (a checkpoint across rank
-counts), a backward with a NaN (every rank must agree), ``torch.compile``'d steps.
+counts), a NaN vector-Jacobian product in a middle layer (the same verdict on every rank, no
+solve claiming convergence), 2 data-parallel replicas with gradient buckets (at P = 2),
+``torch.compile``'d steps.
 The verdicts are described in :mod:`.executor`.
 
 Known bugs of main (issue 22 items 1-10) are gated in one place, :mod:`.program`:
