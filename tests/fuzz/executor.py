@@ -38,10 +38,16 @@ NEEDS_WORD = {"forward:autocast": "autocast"}  # a refusal of these must name th
 
 
 def clip_layer_parallel(twin: Twin, max_norm: float) -> None:
-    """Gradient clipping as the user writes it on the layer-parallel side. Main has no global-
-    norm helper, so this is PyTorch's habit (each rank clips by its own norm: issue 22 item
-    10); once the helper is merged, call it here."""
-    torch.nn.utils.clip_grad_norm_(twin.lp.parameters(), max_norm)
+    """Gradient clipping on the layer-parallel side: the library's global-norm helper
+    ``mgrit.parallel.clip_grad_norm_`` (issue 22 item 10, branch h2) where it exists; on main,
+    which has none, PyTorch's habit (each rank clips by its own norm: the item-10 bug)."""
+    try:
+        from mgrit.parallel import clip_grad_norm_
+    except ImportError:
+        torch.nn.utils.clip_grad_norm_(twin.lp.parameters(), max_norm)
+        return
+    params = list(twin.lp.parameters())
+    clip_grad_norm_(params, max_norm, twin.comm, replicated=params if twin.gru else ())
 
 
 def rand(*shape, seed):
