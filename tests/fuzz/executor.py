@@ -111,7 +111,10 @@ class Run(ModelActions):
         self.opt_lp = self._opt(list(self.twin.lp.parameters()))
         self.opt_ser = self._opt(list(self.twin.ser.parameters()))
         if self.grid is not None and buckets:
-            self.buckets = GradientBuckets(self.twin.lp.parameters(), self.grid.data_comm)
+            try:  # the module itself, so the buckets can follow it (h2's item-4 fix) ...
+                self.buckets = GradientBuckets(self.twin.lp, self.grid.data_comm)
+            except TypeError:  # ... main takes parameters only (and refuses a module)
+                self.buckets = GradientBuckets(self.twin.lp.parameters(), self.grid.data_comm)
 
     def _average(self):
         if self.grid is not None:
