@@ -4,7 +4,9 @@ Each entry: ``feature`` (the :data:`~tests.fuzz.program.FEATURES` name the progr
 None), ``issue`` (issue 22 item), ``ranks``, ``source`` (the seed that found it, or
 "hand-reduced" for a program written in the fuzzer's language from a finding) and the
 ``program``. An entry whose feature is still in ``KNOWN_BROKEN_ON_MAIN`` is skipped; once its
-fix is merged and the name deleted from that set, the program must give the verdict ``ok``.
+fix is merged and the name deleted from that set, the program must not fail (``ok``, or a
+refusal on every rank such as a NaN verdict). With h2's branch (items 4, 5, 10) the entries
+of ``unfreeze_dp``, ``nan`` and ``clip`` were checked to pass.
 Replay one: ``python -m tests.fuzz replay --ranks K '<program json>'``.
 """
 
