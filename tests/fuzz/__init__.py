@@ -15,12 +15,16 @@ gradient clipping, forward hooks and pre-hooks added/removed (counted, or changi
 parameters replaced or loaded with ``assign=True``, a checkpoint round trip (gather,
 ``torch.save``, ``torch.load(weights_only=True)``, load into a new model with other weights),
 the gathered weights loaded into the same network on one rank (a checkpoint across rank
-counts), a backward with a NaN (every rank must agree), ``torch.compile``'d steps.
+counts), a NaN vector-Jacobian product in a middle layer (the same verdict on every rank, no
+solve claiming convergence), 2 data-parallel replicas with gradient buckets (at P = 2),
+``torch.compile``'d steps.
 The verdicts are described in :mod:`.executor`.
 
-Known bugs of main (issue 22 items 1-10) are gated: :data:`KNOWN_BROKEN_ON_MAIN` in
-:mod:`.program` names the features CI leaves out until their fixes are merged (enable them
-with ``--enable``). Regression programs (shrunk findings) are in :mod:`.regressions`.
+Known bugs of main (issue 22 items 1-10) are gated in one place, :mod:`.program`:
+``FEATURES`` lists the switchable features, ``KNOWN_BROKEN_ON_MAIN`` (the switch) those main
+gets wrong, which CI and the campaign leave out until their fixes are merged and their names
+deleted there (``--enable NAME`` or ``all`` adds them to a campaign); ``compile`` is
+campaign-only (slow). Regression programs (shrunk findings) are in :mod:`.regressions`.
 
 Hypothesis or home-made: on one rank the programs come from Hypothesis (:mod:`.hypo`:
 ``st.data()`` feeds the same generator), which gives its shrinking, ``derandomize`` for CI and

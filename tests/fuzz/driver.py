@@ -17,7 +17,7 @@ import time
 from mpi4py import MPI
 
 from .executor import run_program
-from .program import dumps, from_seed, shrink
+from .program import default_features, dumps, from_seed, shrink
 
 
 def replay_hint(program: dict, ranks: int) -> str:
@@ -30,10 +30,11 @@ def _write(path, text, mode="a"):
             fh.write(text)
 
 
-def check_seeds(seeds, enabled=(), findings=None, progress=None, do_shrink=True,
+def check_seeds(seeds, enabled=None, findings=None, progress=None, do_shrink=True,
                 raise_on_failure=True, budget=60):
     """Run the programs of ``seeds`` (a list of ints, or ``[start, stop]`` as a dict
-    ``{"range": [a, b]}``) with the features ``enabled``; returns counts and failures.
+    ``{"range": [a, b]}``) with the features ``enabled`` (default: those of
+    :func:`~tests.fuzz.program.default_features` for CI); returns counts and failures.
 
     Raises:
         AssertionError: (every rank) with ``raise_on_failure``, after all seeds ran, listing
@@ -42,7 +43,7 @@ def check_seeds(seeds, enabled=(), findings=None, progress=None, do_shrink=True,
     comm = MPI.COMM_WORLD
     if isinstance(seeds, dict):
         seeds = list(range(*seeds["range"]))
-    enabled = frozenset(enabled)
+    enabled = default_features(ci=True) if enabled is None else frozenset(enabled)
     counts, failures, t0 = {}, [], time.perf_counter()
     for seed in seeds:
         program = from_seed(seed, enabled)
@@ -77,12 +78,14 @@ def check_seeds(seeds, enabled=(), findings=None, progress=None, do_shrink=True,
     return summary
 
 
-def check_program(program, expect="ok"):
+def check_program(program, expect="pass"):
     """Replay one program (a dict or its JSON text); returns its verdict. Raises
-    AssertionError (every rank) when the status is not ``expect``."""
+    AssertionError (every rank) when the status is not ``expect`` (``"pass"``: any status but
+    ``fail``, e.g. ``stopped`` for an agreed refusal of a NaN; None: no check)."""
     if isinstance(program, str):
         program = json.loads(program)
     verdict = run_program(program, MPI.COMM_WORLD)
-    if expect is not None and verdict["status"] != expect:
+    bad = verdict["status"] == "fail" if expect == "pass" else verdict["status"] != expect
+    if expect is not None and bad:
         raise AssertionError(f"expected {expect}, got {verdict}")
     return verdict

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from .executor import run_program
-from .program import dumps, generate
+from .program import default_features, dumps, generate
 
 
 class HypothesisChooser:
@@ -29,14 +29,16 @@ class HypothesisChooser:
         return self.data.draw(st.integers(0, 99)) >= round(100 * (1 - p))
 
 
-def fuzz_one_rank(max_examples: int, enabled=frozenset(), derandomize: bool = True):
+def fuzz_one_rank(max_examples: int, enabled=None, derandomize: bool = True):
     """A test function (call it) running ``max_examples`` generated programs on one rank; a
-    failing program is shrunk by Hypothesis and reported with its JSON and replay command."""
+    failing program is shrunk by Hypothesis and reported with its JSON and replay command.
+    ``enabled``: default :func:`~tests.fuzz.program.default_features` for CI."""
+    enabled = default_features(ci=True) if enabled is None else frozenset(enabled)
     @settings(max_examples=max_examples, derandomize=derandomize, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(st.data())
     def run(data):
-        program = generate(HypothesisChooser(data), frozenset(enabled))
+        program = generate(HypothesisChooser(data), enabled)
         note(f"program: {dumps(program)}")
         verdict = run_program(program, MPI.COMM_SELF)
         assert verdict["status"] != "fail", (

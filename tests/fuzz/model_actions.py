@@ -101,6 +101,8 @@ class ModelActions:
             fresh.train(self.twin.lp.training)
             self.twin.lp = fresh
         both("lp", lp)
+        for p in self.twin.ser.parameters():  # a new model: gradients are not in a checkpoint
+            p.grad = None
         while self.hooks:  # the new model has none: drop the serial ones too
             self.a_hook_remove(both)
         self.counts = {"lp": {}, "ser": {}}
@@ -124,23 +126,41 @@ class ModelActions:
                            "output after a 1-rank load")
 
     def a_nan_backward(self, both, x):
-        """A backward whose loss weights hold a NaN: serial gets NaN gradients; the
-        layer-parallel side must raise on every rank, or agree with serial and report no
-        solve as converged."""
+        """NaN in the solves: a middle layer gets a NaN vector-Jacobian product (steps with a
+        ``poison`` buffer, see :class:`~tests.fuzz.nets.UserDense`; forward finite) or else a
+        NaN in its first parameter (GRU: ``weight_hh``), both sides; then a forward and a
+        backward. Serial gets NaN gradients; the layer-parallel side must raise on every rank,
+        or agree with serial (NaN where serial has NaN) and report no solve as converged
+        (issue 22 item 5)."""
+        names = self.twin.all_step_names()
+        mid = names[len(names) // 2] if names else "cell"
+        with torch.no_grad():
+            vjp_only = hasattr(self.twin.ser_module(mid), "poison")
+            if vjp_only:
+                self.twin.ser_module(mid).poison.fill_(1.0)
+                if mid in self.twin.lp_modules():
+                    self.twin.lp_modules()[mid].poison.fill_(1.0)
+            else:
+                key = next(k for k in sorted(self.twin.ser_params()) if k.startswith(mid + "."))
+                for params in (self.twin.ser_params(), self.twin.lp_params()):
+                    if key in params:
+                        params[key].view(-1)[0] = float("nan")
         xl, xs = self._x(x)
         ys = both("ser", lambda: self.twin.ser_forward(xs))
         yl = both("lp", lambda: self.twin.lp_forward(self._shard(xl)))
         if ys is None or yl is None:
             return
+        self._out(yl, ys)
         v = self._w(ys, x)
-        v.view(-1)[0] = float("nan")
         both("ser", lambda: self.ser_loss(ys, v).backward())
         both("lp", lambda: self.lp_loss(yl, v).backward())
         both("lp", self._average)
         if self.spec["levels"] > 1:
             solves = [self.twin.lp] if self.twin.gru else list(self.twin.lp.segments)
-            if any(getattr(s.last_backward, "converged", False) for s in solves):
-                self.problems.append("an adjoint solve with NaN reported converged=True")
+            for s in solves:
+                for what in ("last_backward",) if vjp_only else ("last_forward", "last_backward"):
+                    if getattr(getattr(s, what), "converged", False):
+                        self.problems.append(f"{what} with NaN reported converged=True")
 
 
 def _counter(counts: dict, name: str):

@@ -30,14 +30,18 @@ W, CH, HW, TOK, DM, SEQ = 3, 2, 4, 3, 4, 4  # widths, channels, pixels, tokens, 
 
 
 class UserDense(nn.Module):
-    """A user step: ``tanh(W x + b) * sigmoid-ish gate`` (not a shipped class)."""
+    """A user step: ``tanh(W x + b) * (1 + x / 10)`` (not a shipped class). Buffer ``poison``
+    (0): set to 1, the forward is unchanged but its vector-Jacobian product is NaN (the
+    unselected branch of ``torch.where`` is NaN), as serial autograd computes it."""
 
     def __init__(self, width):
         super().__init__()
         self.lin = nn.Linear(width, width)
+        self.register_buffer("poison", torch.tensor(0.0))
 
     def forward(self, x):
-        return torch.tanh(self.lin(x)) * (1.0 + 0.1 * x)
+        y = torch.tanh(self.lin(x)) * (1.0 + 0.1 * x)
+        return torch.where(self.poison > 2, torch.sqrt(1 - self.poison * (2 + y * y)), y)
 
 
 class BufferDense(UserDense):
@@ -99,6 +103,20 @@ class ScaledConv(ConvStep):
         return self.scale * super().forward(x)
 
 
+class BufferTokenMix(nn.Module):
+    """A user transformer-shaped step with a per-layer buffer: LayerNorm, then a linear map
+    over features and one over tokens; states ``(batch, tokens, d)``."""
+
+    def __init__(self, tokens, d, k):
+        super().__init__()
+        self.norm, self.feat, self.tok = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(tokens, tokens)
+        self.register_buffer("shift", torch.tensor(0.1 * (k + 1)))
+
+    def forward(self, x):
+        z = self.feat(self.norm(x))
+        return torch.tanh(self.tok(z.transpose(1, 2)).transpose(1, 2) + self.shift)
+
+
 class HalfTransformer(TransformerStep):
     def forward(self, x):
         return 0.5 * super().forward(x)
@@ -128,7 +146,7 @@ def step_maker(kind: str, step: str, width: int = W):
     elif kind == "transformer":
         table = {"shipped": lambda k: TransformerStep(DM, 2, d_ff=2 * DM),
                  "user": lambda k: TransformerStep(DM, 2, d_ff=2 * DM, causal=True),
-                 "buffer": lambda k: ScaledTransformer(DM, k),
+                 "buffer": lambda k: BufferTokenMix(TOK, DM, k),
                  "subclass": lambda k: HalfTransformer(DM, 2, d_ff=2 * DM),
                  "subclass_buffer": lambda k: ScaledTransformer(DM, k)}
     else:
