@@ -347,11 +347,20 @@ class AdjointChain(Propagator):
                 wanted = [need is None or need[len(out) + k] for k in range(len(ps))]
                 grads = {}
                 if any(wanted):
-                    y = s(self.states[j].detach())
-                    if y.requires_grad:  # else no parameter reaches the output: all None
-                        want = [p for p, w in zip(ps, wanted) if w]
-                        grads = dict(zip(map(id, want), torch.autograd.grad(
-                            y, want, cot[j], allow_unused=True)))
+                    want = [p for p, w in zip(ps, wanted) if w]
+                    # frozen after the forward, still in its graph (serial autograd computes
+                    # its gradient then): required for this recomputation only
+                    thawed = [p for p in want if not p.requires_grad]
+                    try:
+                        for p in thawed:
+                            p.requires_grad_(True)
+                        y = s(self.states[j].detach())
+                        if y.requires_grad:  # else no parameter reaches the output: all None
+                            grads = dict(zip(map(id, want), torch.autograd.grad(
+                                y, want, cot[j], allow_unused=True)))
+                    finally:
+                        for p in thawed:
+                            p.requires_grad_(False)
                 out.extend(grads.get(id(p)) for p in ps)
         return out
 
