@@ -52,7 +52,8 @@ class BufferDense(UserDense):
         self.register_buffer("shift", torch.tensor(0.1 * (k + 1)))
 
     def forward(self, x):
-        return torch.tanh(self.lin(x) + self.shift)
+        y = torch.tanh(self.lin(x) + self.shift)  # the poison as in UserDense (nan_backward)
+        return torch.where(self.poison > 2, torch.sqrt(1 - self.poison * (2 + y * y)), y)
 
 
 class UserConv(nn.Module):
