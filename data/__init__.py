@@ -22,7 +22,7 @@ documentation topics shipped with CPython), :mod:`data.errors`,
 ``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
 
 Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, ``peaks``;
-``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``split`` <-
+``errors`` <- ``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``split`` <-
 ``text``; ``sharding`` stands alone.
 No torch or mpi4py is imported.
 

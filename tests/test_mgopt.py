@@ -124,6 +124,7 @@ def _loss(model, x, y):
         return F.cross_entropy(model(x), y).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels", [2, 3])
 def test_mgopt_decreases_loss_beyond_sgd(peaks, levels):
     x, y = peaks
@@ -200,6 +201,7 @@ def test_options_errors():
         mg.step(lambda model, backward: None)
 
 
+@pytest.mark.slow
 def test_study_multilevel_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("study_multilevel",
                                                   ROOT / "experiments" / "study_multilevel.py")

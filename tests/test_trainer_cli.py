@@ -78,6 +78,7 @@ def _failure_lines(text):
     return [line for line in text.splitlines() if re.match(r"rank \d+ failed .*: ", line)]
 
 
+@pytest.mark.slow
 def test_bad_out_is_one_clear_line(cli):
     out, rc, so, se = cli[2]["badout"]
     text = so + se
@@ -89,6 +90,7 @@ def test_bad_out_is_one_clear_line(cli):
     assert "Traceback" not in text and "Abort(" not in text, text
 
 
+@pytest.mark.slow
 def test_bad_flag_prints_usage_once(cli):
     out, rc, so, se = cli[2]["badflag"]
     text = so + se
@@ -97,6 +99,7 @@ def test_bad_flag_prints_usage_once(cli):
     assert "Abort(" not in text and "Traceback" not in text, text
 
 
+@pytest.mark.slow
 def test_crafted_resume_is_one_line_and_runs_nothing(cli):
     marker, zipped, results = cli
     out, rc, so, se = results["crafted"]
