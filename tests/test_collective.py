@@ -14,6 +14,8 @@ from mgrit import collective
 from tests.mpi_harness import mpiexec_path
 from tests.test_train_job import ROOT, job_env
 
+pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
+
 SCRIPT = ROOT / "tests" / "mpi_cases" / "collective_script.py"
 
 

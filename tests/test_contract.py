@@ -35,6 +35,7 @@ def test_one_rank(name):
         getattr(C, name)()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_ranks(k, name):
     BATCH.run(k, name)
@@ -117,6 +118,7 @@ def test_snapshot_sees_a_changed_dtype():
     assert "dtypes" in lp.batching_obstacle
 
 
+@pytest.mark.slow
 def test_checkpoints_of_compiled_and_plain_runs_load_into_each_other(tmp_path):
     """Item 8 through the training checkpoint (one process): a LayerParallelNet with
     ``torch.compile``d steps and opening and the plain one, and a compiled serial model and

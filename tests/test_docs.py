@@ -10,6 +10,8 @@ import pytest
 
 from tests.test_train_job import ROOT
 
+pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
+
 pytest.importorskip("sphinx")  # the dev and docs extras install it
 
 FEATURES = ["resnet", "segments", "transformers", "gru", "dataparallel", "checkpoints", "guard",

@@ -13,6 +13,8 @@ import pytest
 from tests.mpi_harness import mpiexec_path
 from tests.test_train_job import ROOT, TIMEOUT, job_env
 
+pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
+
 RUNS = [  # (example, arguments), run in this order in one job
     ("resnet_custom_step", ["--quick"]),
     ("transformer_vit", ["--quick"]),

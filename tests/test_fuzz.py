@@ -39,6 +39,7 @@ def test_fuzz_one_rank_hypothesis():
     fuzz_one_rank(max_examples=14)()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_fuzz_mpi(k, name):
     BATCH.run(k, name)

@@ -44,6 +44,7 @@ for _k, _dp in ((2, 2), (4, 2)):
               data_parallel=_dp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_global_agreement_mpi(k, name):
     results = BATCH.run(k, name)
@@ -116,6 +117,7 @@ def _gradient_error(skip: bool, n: int, levels: int) -> tuple:
             net.forward_solver.stats.step_applications)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,levels", [(64, 2), (64, 3)])
 def test_skip_first_relaxation_accuracy(n, levels):
     """XBraid's skip: the coarse-grid solution, F-relaxed, instead of a down-cycle from

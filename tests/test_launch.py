@@ -47,6 +47,7 @@ def test_process_grid_refuses_a_foreign_launch(monkeypatch):
     ProcessGrid(MPI.COMM_SELF).free()
 
 
+@pytest.mark.slow
 def test_torchrun_of_the_main_job_is_one_line_and_nonzero(tmp_path):
     """A real ``torchrun --nproc_per_node 2 experiments/train.py`` (offline: --standalone)."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))

@@ -36,6 +36,7 @@ BATCH.add(4, "dropout-semantics", f"{C}:check_dropout_semantics")
 BATCH.add(4, "errors", f"{C}:check_errors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_stateful_mpi(k, name):
     results = BATCH.run(k, name)

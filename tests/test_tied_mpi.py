@@ -18,6 +18,8 @@ import pytest
 from tests.mpi_cases import tied_cases
 from tests.mpi_harness import MPIBatch
 
+pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
+
 C = "tests.mpi_cases.tied_cases"
 BATCH = MPIBatch()
 CASES = {

@@ -69,6 +69,7 @@ def test_schedule_rates_equal_closed_forms(kind, epochs, batches, warmup, step_e
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.slow
 def test_serial_job_equals_plain_adamw_cosine_loop(tmp_path):
     """--serial --optimizer adamw --weight-decay 0.05 --lr-schedule cosine --warmup-epochs 1
     --tied, 2 epochs of 4 batches, float64: final weights (from the job's checkpoint) equal a
@@ -155,6 +156,7 @@ def _tiny_fit(tmp_path, callbacks, resume=None):
     return net, sch
 
 
+@pytest.mark.slow
 def test_resume_continues_the_schedule_exactly(tmp_path):
     """Interrupted at step 8 (checkpoint at step 6), resumed: the rates of all 16 steps and
     the final weights equal the uninterrupted run's bit for bit."""

@@ -12,6 +12,8 @@ import pytest
 
 from tests.test_train_job import ROOT
 
+pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
+
 nbformat = pytest.importorskip("nbformat")  # the dev extra installs nbclient, nbformat, ipykernel
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
