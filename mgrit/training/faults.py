@@ -96,8 +96,8 @@ HINTS = {
                     "format",
     "gradient averaging": "the replicas disagree (parameters changed shape, dtype or device?)",
     "evaluation": "the test-set forward failed: check the test data",
-    "checkpoint": "check the path and free disk space; resume with the model, optimizer and data "
-                  "of the run that wrote the checkpoint",
+    "checkpoint": "a mismatch: resume with the model, optimizer and data of the run that "
+                  "wrote the checkpoint; a file error: check the path and free disk space",
     "run directory": "choose a writable run directory",
     "model setup": "check the network flags against the data set",
 }
