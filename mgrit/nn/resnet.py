@@ -44,6 +44,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..collective import guarded
 from ..comm import raise_agreed
 from ..grid import Partition
 from ..options import MGRITOptions
@@ -397,7 +398,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
         default generator first (on every rank; :mod:`mgrit.nn.stochastic`).
         """
         seed = stochastic.draw_seed() if self._stochastic and self.training else None
-        with self._noise.use(seed, None if seed is None else {}):
+        # an error on one rank only ends the job (mgrit.collective), whatever the launch line
+        with self._noise.use(seed, None if seed is None else {}), guarded("layer-parallel forward"):
             return self._forward(x0, batch_size)
 
     def _forward(self, x0, batch_size):
@@ -408,7 +410,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
             batch = x0.shape[0]
         else:
             if batch_size is None:
-                raise ValueError("batch_size is required on ranks other than the first")
+                raise ValueError("batch_size is required on ranks other than the first layer "
+                                 "rank (they do not hold x0): call forward(x0, batch_size=B) on "
+                                 "every rank, or use LayerParallelNet, which passes it")
             batch = int(batch_size)
         self._forward_count += 1
         self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.contract)
