@@ -273,7 +273,7 @@ def test_load_run_gives_the_trained_network(jobs):
     (_, _), (xte, yte), _ = _load(cfg, torch.float32)
     exact = JobConfig.from_dict({**facts, "tol": 1e-6, "fwd_iters": 50})
     lp = build_model("resnet", exact, facts["input_shape"], facts["num_classes"],
-                     comm=MPI.COMM_SELF)
+                     comm=MPI.COMM_SELF).to(torch.float32)  # the run's dtype, whatever the default
     load_checkpoint(str(out / "model.pt"), lp, None, restore_warm=False, restore_options=False)
     with torch.no_grad():
         want, got = lp.eval()(xte), model(xte)
