@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -129,8 +130,8 @@ class MGRIT:
             every rank, before any communication.
     """
 
-    def __init__(self, propagator: Propagator, n_intervals: int, state_shape=(),
-                 dtype: torch.dtype = torch.float64, device="cpu",
+    def __init__(self, propagator: Propagator, n_intervals: int, state_shape: Sequence[int] = (),
+                 dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
                  options: MGRITOptions | None = None, comm: MPI.Comm | None = None,
                  partition: Partition | None = None):
         if not isinstance(propagator, Propagator):
@@ -200,7 +201,8 @@ class MGRIT:
         return None
 
     def check_input(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
-                    state_shape=None, stats: SolverStats | None = None) -> torch.Size:
+                    state_shape: Sequence[int] | None = None,
+                    stats: SolverStats | None = None) -> torch.Size:
         """The checks :meth:`solve` makes before any other communication, agreed over the
         communicator (one small allgather when it has more than one rank): ``u0`` on the rank
         owning point 0 (shape ``state_shape``, the solver's dtype and device, finite values),
@@ -220,7 +222,7 @@ class MGRIT:
     @guarded("MGRIT solve", agreed_types=(FloatingPointError, UnconvergedError))
     @torch.no_grad()
     def solve(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
-              state_shape=None) -> MGRITResult:
+              state_shape: Sequence[int] | None = None) -> MGRITResult:
         """Solve the chain from ``u0``.
 
         Args:

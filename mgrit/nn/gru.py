@@ -28,6 +28,7 @@ hidden 16) reduced the residual only about 5x per FCF cycle (m = 4), and inexact
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from mpi4py import MPI
@@ -227,7 +228,8 @@ class ParallelGRU(nn.Module):
         return None, x, unbatched
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, x, h0: torch.Tensor | None = None, return_sequence: bool = False):
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor], h0: torch.Tensor | None = None,
+                return_sequence: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the GRU over the sequence, parallel in time (every rank of ``comm``).
 
         Args:

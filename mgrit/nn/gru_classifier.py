@@ -7,7 +7,7 @@ batch and then ``model.loss(out, y).backward()`` (as :class:`mgrit.nn.LayerParal
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
@@ -73,7 +73,7 @@ class GRUSequenceClassifier(nn.Module):
         elsewhere. Call ``.backward()`` on it on every rank."""
         return fn(out, target) if self.is_last else out.sum()
 
-    def from_last(self, value):
+    def from_last(self, value: Any) -> Any:
         """Broadcast a Python value (a loss, predictions) from the last time rank."""
         return self.comm.bcast(value, root=self.last_rank)
 

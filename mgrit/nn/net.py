@@ -49,7 +49,7 @@ gathered state dict loads into the serial network as it is. For ``(opening, resn
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -248,7 +248,7 @@ class LayerParallelNet(nn.Module):
         parameters elsewhere. Call ``.backward()`` on it on every rank."""
         return fn(out, target) if self.is_last else out.sum()
 
-    def from_last(self, value):
+    def from_last(self, value: Any) -> Any:
         """Broadcast a Python value (a loss, predictions) from the last layer rank."""
         return self.comm.bcast(value, root=self.last_rank)
 
@@ -285,7 +285,7 @@ class LayerParallelNet(nn.Module):
             elif part.owner == self.rank:
                 yield part.offset, plain_module(self.stages[str(part.index)]), None
 
-    def named_global_modules(self):
+    def named_global_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """``(global name, module)`` for every ordinary module (name ``"{o}"``) and residual
         step (``"{o + k}.F"``) this rank holds (local, no communication): the names of
         ``to_serial().named_modules()``; the keys of a module's parameters and buffers are
@@ -293,7 +293,7 @@ class LayerParallelNet(nn.Module):
         for i, m, h in self._local_modules():
             yield (f"{i}.F" if h is not None else f"{i}"), m
 
-    def named_global_parameters(self):
+    def named_global_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(global key, parameter)`` for this rank's parameters (local, no communication);
         keys as ``to_serial().named_parameters()``."""
         for name, m in self.named_global_modules():

@@ -38,7 +38,7 @@ import array
 import copy
 import math
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 from mpi4py import MPI
@@ -137,11 +137,12 @@ class LayerParallelResNet(SolverControls, nn.Module):
             batched; see :mod:`mgrit.nn.stacking`).
     """
 
-    def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape, T: float = 1.0,
-                 comm: MPI.Comm | None = None, forward: MGRITOptions | None = None,
-                 backward: MGRITOptions | None = None, adjoint: str = "mgrit",
-                 warm_start: bool | None = None, partition: Partition | None = None,
-                 warm_start_adjoint: bool = False, tie=None):
+    def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape: Sequence[int],
+                 T: float = 1.0, comm: MPI.Comm | None = None,
+                 forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
+                 adjoint: str = "mgrit", warm_start: bool | None = None,
+                 partition: Partition | None = None, warm_start_adjoint: bool = False,
+                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -209,8 +210,9 @@ class LayerParallelResNet(SolverControls, nn.Module):
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
 
     @classmethod
-    def build(cls, make_step: Callable[[int], nn.Module], n_layers: int, state_shape,
-              comm: MPI.Comm | None = None, seed: int = 0, tie=None,
+    def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,
+              state_shape: Sequence[int], comm: MPI.Comm | None = None, seed: int = 0,
+              tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None,
               **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
         weights do not depend on the number of ranks) and wrap them. The caller's RNG states

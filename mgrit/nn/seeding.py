@@ -6,7 +6,7 @@ the rank count either). Used by :meth:`LayerParallelResNet.build` and :func:`ser
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -82,7 +82,8 @@ def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int, groups
 
 
 def serial_resnet(make_step: Callable[[int], nn.Module], n_layers: int, T: float = 1.0,
-                  seed: int = 0, tie=None) -> nn.Sequential:
+                  seed: int = 0, tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None
+                  ) -> nn.Sequential:
     """The serial reference: ``nn.Sequential`` of ``ResidualStep(make_step(k), T/N)`` with the
     same per-layer seeds (and ``tie`` groups, one module per group) as
     :meth:`LayerParallelResNet.build` (the caller's RNG state is left unchanged)."""

@@ -98,7 +98,7 @@ class DenseStep(nn.Module):
         self.linear = nn.Linear(width, width)
         self.act = activation(act)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.linear(x))
 
     def kernel_obstacle(self) -> str | None:
@@ -111,7 +111,7 @@ class DenseStep(nn.Module):
         return _linear_obstacle("DenseStep", "linear", self.linear) or \
             _act_obstacle("DenseStep", self.act)
 
-    def forward_batched(self, p: dict, x):
+    def forward_batched(self, p: dict, x: torch.Tensor) -> torch.Tensor:
         """``B`` layers at once: ``p`` holds this module's parameters stacked along dim 0
         (``linear.weight`` ``(B, w, w)``, ``linear.bias`` ``(B, w)``; optionally
         :meth:`stack_extras`); ``x`` is ``(B, batch, w)``. Built-in Tanh/ReLU are applied in
@@ -119,7 +119,7 @@ class DenseStep(nn.Module):
         z = self._pre_activation(p, x)
         return self._activate_fresh(z)
 
-    def forward_layer(self, p: dict, j: int, x):
+    def forward_layer(self, p: dict, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``j`` of a stacked snapshot ``p`` (as :meth:`forward_batched`) on ``x``
         ``(batch, w)``: ``act(x W_j^T + b_j)`` in one ``addmm`` (the single steps of MGRIT's
         coarse sweeps; no module call)."""
@@ -164,7 +164,7 @@ class DenseStep(nn.Module):
         """True when :meth:`vjp_batched` applies (the activation is a built-in one)."""
         return type(self.act) in (nn.Tanh, nn.ReLU, SmoothReLU)
 
-    def linearize_batched(self, p: dict, x) -> torch.Tensor:
+    def linearize_batched(self, p: dict, x: torch.Tensor) -> torch.Tensor:
         """``act'(z)``, ``z = x W^T + b``, of ``B`` layers at states ``x`` ``(B, batch, w)``:
         the diagonal of the activation's Jacobian, ``(B, batch, w)``, reusable by every
         :meth:`vjp_batched` at the same states."""
@@ -173,7 +173,9 @@ class DenseStep(nn.Module):
             return z.tanh_().square_().neg_().add_(1.0)
         return _act_derivative(self.act, z)
 
-    def vjp_batched(self, p: dict, x, v, params: bool = False, dact=None):
+    def vjp_batched(self, p: dict, x: torch.Tensor | None, v: torch.Tensor,
+                    params: bool = False, dact: torch.Tensor | None = None
+                    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Closed-form vector-Jacobian products of :meth:`forward_batched` at ``x``, without
         autograd (the adjoint MGRIT's steps and parameter-gradient sweep use it).
 
@@ -218,7 +220,7 @@ class ConvStep(nn.Module):
         self.conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2)
         self.act = activation(act)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv(x))
 
     def kernel_obstacle(self) -> str | None:
@@ -226,7 +228,7 @@ class ConvStep(nn.Module):
         plain ``nn.Conv2d`` with a bias and ``act`` a built-in activation."""
         return _conv_obstacle("ConvStep", "conv", self.conv) or _act_obstacle("ConvStep", self.act)
 
-    def forward_batched(self, p: dict, x):
+    def forward_batched(self, p: dict, x: torch.Tensor) -> torch.Tensor:
         """``B`` layers at once as one grouped convolution; ``x`` ``(B, batch, C, H, W)``."""
         return self.act(_grouped_conv(x, p["conv.weight"], p["conv.bias"], self.conv.padding))
 
@@ -251,7 +253,7 @@ class TwoConvStep(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=bias)
         self.act = activation(act)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv2(self.act(self.conv1(x))))
 
     def kernel_obstacle(self) -> str | None:
@@ -261,7 +263,7 @@ class TwoConvStep(nn.Module):
                 or _conv_obstacle("TwoConvStep", "conv2", self.conv2, bias=False)
                 or _act_obstacle("TwoConvStep", self.act))
 
-    def forward_batched(self, p: dict, x):
+    def forward_batched(self, p: dict, x: torch.Tensor) -> torch.Tensor:
         """``B`` layers at once as grouped convolutions; ``x`` ``(B, batch, C, H, W)``."""
         pad = self.conv1.padding
         y = self.act(_grouped_conv(x, p["conv1.weight"], p.get("conv1.bias"), pad))

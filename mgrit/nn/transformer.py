@@ -132,7 +132,8 @@ class TransformerStep(nn.Module):
     chunk_elements = 2 ** 18  # 1 MiB of float32: a core's L2 here (AMD EPYC)
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, causal: bool = False,
-                 act: str = "gelu", dropout: float = 0.0, device=None, dtype=None,
+                 act: str = "gelu", dropout: float = 0.0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  drop_path: float = 0.0):
         super().__init__()
         _check_size("d_model", d_model)

@@ -117,7 +117,9 @@ class GradientBuckets:
         Duplicated parameters (tied weights listed twice) get one slot.
     """
 
-    def __init__(self, parameters, comm: MPI.Comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, parameters: (nn.Module | Callable[[], Iterable[torch.Tensor]]
+                                    | Iterable[torch.Tensor]),
+                 comm: MPI.Comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         bucket_bytes = _check_bucket_bytes(bucket_bytes)
         _check_comm(comm)
         self.comm, self.bucket_bytes = comm, bucket_bytes

@@ -11,13 +11,16 @@ tensors, dicts, lists, numbers, strings), saved per rank in checkpoints.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, TextIO
 
 import numpy as np
 from tqdm import tqdm
 
 from .guard import ConvergenceGuard
 from .records import CALLBACK_HOOKS, EpochRecord, FitPlan, FitResult, StepRecord
+
+if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
+    from .trainer import Trainer
 
 __all__ = ["check_callbacks", "ProgressBar", "ConsoleLog"]
 
@@ -58,14 +61,14 @@ class ProgressBar:
         file: stream (default ``sys.stdout``). leave: keep finished bars (default False).
     """
 
-    def __init__(self, file=None, leave: bool = False):
+    def __init__(self, file: TextIO | None = None, leave: bool = False):
         self.file, self.leave = file, leave
         self._bar, self._epoch, self._plan = None, None, None
 
-    def on_fit_start(self, trainer, plan: FitPlan) -> None:
+    def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         self._plan = plan
 
-    def on_step_end(self, trainer, record: StepRecord) -> None:
+    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
         if not trainer.is_root or record.epoch is None:
             return
         if self._bar is None or self._epoch != record.epoch:
@@ -82,10 +85,10 @@ class ProgressBar:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
 
-    def on_epoch_end(self, trainer, record: EpochRecord) -> None:
+    def on_epoch_end(self, trainer: Trainer, record: EpochRecord) -> None:
         self._close()
 
-    def on_fit_end(self, trainer, result: FitResult) -> None:
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         self._close()
 
     def _close(self) -> None:
@@ -117,7 +120,7 @@ class ConsoleLog:
         if trainer.is_root:
             self.print_fn(text)
 
-    def on_fit_start(self, trainer, plan: FitPlan) -> None:
+    def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         self._epochs = plan.epochs
         for line in plan.solvers:
             self._say(trainer, f"{self.prefix} {line}")
@@ -131,7 +134,7 @@ class ConsoleLog:
                      f"{plan.initial_test_loss:.4f}")
         self._say(trainer, line)
 
-    def on_epoch_end(self, trainer, r: EpochRecord) -> None:
+    def on_epoch_end(self, trainer: Trainer, r: EpochRecord) -> None:
         test = "-" if r.test_acc is None else f"{r.test_acc:.4f}"
         line = (f"epoch {r.epoch}/{self._epochs} loss {r.loss:.4f} train_acc "
                 f"{np.nan if r.train_acc is None else r.train_acc:.4f} test_acc {test} time "
@@ -142,7 +145,7 @@ class ConsoleLog:
                      f"{_res(r.bwd_residual, r.bwd_residual_mean)}")
         self._say(trainer, line)  # (the loop's warnings go through the warnings module)
 
-    def on_fit_end(self, trainer, result: FitResult) -> None:
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         if result.solver_stats:
             self._say(trainer, f"{self.prefix} forward solver counters (rank 0, all solves): "
                                f"{result.solver_stats}")

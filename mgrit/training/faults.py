@@ -307,7 +307,8 @@ def set_log_dir(log_dir) -> None:
     _config["log_dir"] = log_dir
 
 
-def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1, *, log_dir=None,
+def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1, *,
+              log_dir: str | os.PathLike | None = None,
               debug: bool | None = None, print_traceback: bool | None = None) -> None:
     """Make an uncaught exception on any rank end the whole job (``MPI_Abort`` on ``comm``,
     default ``COMM_WORLD``) after one line per failure (see :func:`failure_line`). Covers the

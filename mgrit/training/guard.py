@@ -36,11 +36,18 @@ import re
 import time
 import warnings
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 from mpi4py import MPI
 
 from .nets import replace_solver, segments, solver_states
+
+if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
+    from ..nn import LayerParallelResNet
+    from ..solver import MGRITResult
+    from .records import StepRecord
+    from .trainer import Trainer
 
 __all__ = ["ConvergenceGuard", "apply_action", "check_finite_states", "name_nonfinite", "ACTIONS",
            "DivergenceWarning"]
@@ -199,7 +206,7 @@ class ConvergenceGuard:
             with open(self.log_path, "a") as fh:
                 fh.write(json.dumps(event) + "\n")
 
-    def check(self, result, solver_name: str, step: int) -> str | None:
+    def check(self, result: MGRITResult, solver_name: str, step: int) -> str | None:
         """Record ``result.residuals`` of solver ``solver_name`` at training step ``step``.
 
         Returns:
@@ -238,7 +245,7 @@ class ConvergenceGuard:
                           f"{action}", DivergenceWarning, stacklevel=2)
         return action
 
-    def apply(self, resnet, action: str | None, solver_name: str, step: int,
+    def apply(self, resnet: LayerParallelResNet, action: str | None, solver_name: str, step: int,
               key: str | None = None) -> None:
         """Apply a decision of :meth:`check` to ``resnet``'s ``solver_name`` (``"forward"``
         or ``"backward"``) and log what changed; ``key``: the name the decision was recorded
@@ -255,7 +262,8 @@ class ConvergenceGuard:
         self._log({"time": time.time(), "step": step, "solver": key,
                    "applied": action, "change": change})
 
-    def check_resnet(self, resnet, step: int, data_comm: MPI.Comm | None = None,
+    def check_resnet(self, resnet: LayerParallelResNet, step: int,
+                     data_comm: MPI.Comm | None = None,
                      writer: bool | None = None, results: tuple | None = None,
                      prefix: str = "") -> list:
         """Check ``resnet.last_forward`` and ``resnet.last_backward`` (after ``backward()``),
@@ -294,7 +302,7 @@ class ConvergenceGuard:
         return done
 
     # -- training-loop callback ----------------------------------------------------------
-    def on_after_backward(self, trainer, record) -> None:
+    def on_after_backward(self, trainer: Trainer, record: StepRecord) -> None:
         """Check the step's MGRIT results, per segment (layer-parallel networks only; the
         replicas agree; a replica with an empty shard only joins the agreement)."""
         segs = segments(trainer.net)

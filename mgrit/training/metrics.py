@@ -18,6 +18,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import h5py
 import numpy as np
@@ -25,6 +26,9 @@ import torch
 
 from . import report
 from .records import EpochRecord, FitPlan, FitResult, StepRecord
+
+if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
+    from .trainer import Trainer
 
 __all__ = ["MetricsWriter", "write_metrics", "write_curves", "write_summary", "write_csv",
            "STEP_KEYS"]
@@ -166,8 +170,9 @@ class MetricsWriter:
             line when the ``tensorboard`` package is missing).
     """
 
-    def __init__(self, run, config: dict | None = None, title: str = "",
-                 extra: dict | None = None, eval_solve=None, tensorboard: bool = False):
+    def __init__(self, run: str | os.PathLike, config: dict | None = None, title: str = "",
+                 extra: dict | None = None, eval_solve: Callable[[Trainer], str] | None = None,
+                 tensorboard: bool = False):
         self.run, self.config, self.title = Path(run), dict(config or {}), title
         self.extra = dict(extra or {})
         self.eval_solve, self.tensorboard = eval_solve, bool(tensorboard)
@@ -181,7 +186,7 @@ class MetricsWriter:
     def load_state_dict(self, state: dict) -> None:
         self.steps = {k: list(state.get("steps", {}).get(k, [])) for k in STEP_KEYS}
 
-    def on_fit_start(self, trainer, plan: FitPlan) -> None:
+    def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         self._t0 = time.perf_counter()
         self._nb = max(1, plan.batches_per_epoch)
         self.initial = (plan.initial_test_acc, plan.initial_test_loss)
@@ -209,7 +214,7 @@ class MetricsWriter:
         self._csv.write(",".join("" if v is None or v != v else repr(float(v)) if k != "step"
                                  else str(int(v)) for k, v in zip(STEP_KEYS, row)) + "\n")
 
-    def on_step_end(self, trainer, record: StepRecord) -> None:
+    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
         if not trainer.is_root or record.loss is None:
             return
         pos = (record.epoch + (record.batch + 1) / self._nb if record.epoch is not None
@@ -228,7 +233,7 @@ class MetricsWriter:
         write_metrics(self.run, hist, self.config, self.steps, self.initial)
         write_csv(self.run, hist, self.initial)
 
-    def on_epoch_end(self, trainer, record: EpochRecord) -> None:
+    def on_epoch_end(self, trainer: Trainer, record: EpochRecord) -> None:
         if not trainer.is_root:
             return
         self._files(trainer.history)
@@ -254,7 +259,7 @@ class MetricsWriter:
             **more, **self.extra})
         write_curves(self.run, hist, self.title, self.steps, self.initial)
 
-    def on_fit_end(self, trainer, result: FitResult) -> None:
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None:
         if not trainer.is_root:
             return
         self._files(result.history)
@@ -262,7 +267,7 @@ class MetricsWriter:
                       forward_stats=result.solver_stats)
         self.close()
 
-    def write_interrupted(self, trainer, report: str) -> None:
+    def write_interrupted(self, trainer: Trainer, report: str) -> None:
         """The files of a fit stopped early (root rank): metrics so far, ``summary.json``
         with ``interrupted`` = ``report`` and the last finished epoch's metrics as
         ``final`` (None before the first), ``curves.png``."""

@@ -9,7 +9,7 @@ import inspect
 import os
 import time
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from ..collective import agreed, rendezvous
 from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from .epoch import EpochAccumulator, UnconvergedWarning
 from .faults import phase
 from .guard import name_nonfinite
@@ -30,6 +30,9 @@ from .nets import (as_net, check_tied_replicas, describe_solvers, exact_toleranc
                    replicated_parameters, solver_results, solver_summary, tied_duplicates)
 from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
+
+if TYPE_CHECKING:  # annotations only
+    from data import Split
 
 __all__ = ["Trainer"]
 
@@ -108,7 +111,8 @@ class Trainer:
 
     def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer | None,
                  grid: ProcessGrid | None = None, *, loss: Callable = F.cross_entropy,
-                 callbacks=None, checkpoint=None, checkpoint_every: int = 0,
+                 callbacks: Iterable | None = None, checkpoint: str | os.PathLike | None = None,
+                 checkpoint_every: int = 0,
                  eval_batch_size: int = 500, metric: Callable | None = None,
                  clip_grad_norm: float | None = None):
         self.method = net if isinstance(net, TrainingMethod) else None
@@ -274,7 +278,7 @@ class Trainer:
                 fn(self, record)
 
     # -- evaluation -------------------------------------------------------------------------
-    def evaluate(self, data) -> tuple:
+    def evaluate(self, data: Split | Sequence[np.ndarray | torch.Tensor]) -> tuple:
         """``(accuracy, mean loss)`` on ``data`` (a Split or ``(x, y)``), forward only, in eval
         mode; the replicas split the samples. Collective over the grid: ranks that do not call
         it within :func:`~mgrit.collective.collective_timeout` are named
@@ -310,7 +314,7 @@ class Trainer:
         return {f"{i}:{type(cb).__name__}": cb.state_dict()
                 for i, cb in enumerate(self.callbacks) if hasattr(cb, "state_dict")}
 
-    def save(self, path, extra: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
         """Save network, optimizer, RNG states, callback states and ``extra`` to ``path``
         (collective; see :func:`mgrit.training.checkpoint.save_checkpoint`). With replicas,
         their parameters are first compared bit for bit (the checkpoint keeps replica 0's):
@@ -323,7 +327,7 @@ class Trainer:
                         extra={"steps": self.steps_done, **(extra or {})},
                         rank_extra={"callbacks": self._callback_states()})
 
-    def load(self, path, expect: dict | None = None):
+    def load(self, path: str | os.PathLike, expect: dict | None = None) -> LoadedCheckpoint:
         """Load a checkpoint of :meth:`save` (any grid); restores callback states and the
         step count. Returns the :class:`~mgrit.training.checkpoint.LoadedCheckpoint`."""
         loaded = load_checkpoint(path, self.net, self.optimizer, self.grid, expect=expect)
@@ -336,8 +340,10 @@ class Trainer:
         return loaded
 
     # -- fit --------------------------------------------------------------------------------
-    def fit(self, train, *, epochs: int, batch_size: int, seed: int = 0, test=None,
-            resume=None) -> FitResult:
+    def fit(self, train: Split | Sequence[np.ndarray | torch.Tensor], *, epochs: int,
+            batch_size: int, seed: int = 0,
+            test: Split | Sequence[np.ndarray | torch.Tensor] | None = None,
+            resume: str | os.PathLike | None = None) -> FitResult:
         """Train for ``epochs`` epochs over ``train`` (a :class:`data.Split` or ``(x, y)``:
         inputs ``(n, *in_shape)`` converted to the network's dtype, targets ``(n,)``, e.g.
         int64 labels; the same on every rank) in global batches of ``batch_size`` drawn with
