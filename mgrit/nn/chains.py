@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..propagator import Propagator
+from .compiled import plain_module
 from .contract import global_hooks_registered, kernel
 from .stacking import Stacked, StaleStack
 
@@ -246,8 +247,9 @@ class AdjointChain(Propagator):
         graph = self._vjp.get(j)
         if graph is None:  # the layer's graph is reused by every MGRIT iteration of this solve
             x = self.states[j].detach().requires_grad_(True)
-            with torch.enable_grad():
-                graph = (x, self.fwd.steps[j](x))
+            with torch.enable_grad():  # eager module: the graph is reused (retain_graph),
+                # which a torch.compile'd backward with donated buffers refuses
+                graph = (x, plain_module(self.fwd.steps[j])(x))
             self._vjp[j] = graph
         x, y = graph
         with torch.enable_grad():

@@ -76,4 +76,13 @@ REGRESSIONS = [
      "program": {"net": _net(seed=6135), "actions": [
          ["forward", {"mode": "grad", "x": 577}], ["freeze", {"on": False, "p": 9}],
          ["autograd_grad", {"i": 3, "retain": False, "w": 91}]]}},
+    # new (campaign on the merged code): torch.compile'd steps, 2 levels: the adjoint reused
+    # each layer's graph (retain_graph) and inductor's backward with donated buffers refused it
+    # on some ranks; with the abort guard off (the harness) the others waited: a hang (P=3;
+    # seed 400009, shrunk by hand). Campaign only (compile), like every compile program.
+    {"feature": "compile", "issue": "item 8 (compiled steps in the adjoint)", "ranks": 3,
+     "source": "seed 400009",
+     "program": {"net": _net("multiseg", "user", seed=8831, norm="inf", compiled=True),
+                 "actions": [["forward", {"x": 119, "mode": "grad"}],
+                             ["backward", {"i": 2, "w": 869, "retain": False, "all": False}]]}},
 ]
