@@ -144,3 +144,16 @@ def _reduce_bucket(comm, flat, n, has_grad, weight, timings) -> torch.Tensor:
         timings["pack"] = timings.get("pack", 0.0) + t1 - t0
         timings["unpack"] = timings.get("unpack", 0.0) + time.perf_counter() - t2
     return has
+
+
+def distinct_tensors(parameters) -> list:
+    """The distinct tensors of an iterable, first occurrence first (shared parameters once);
+    TypeError naming the first item that is not a tensor."""
+    out, seen = [], set()
+    for i, p in enumerate(parameters):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters must be tensors: item {i} is a {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out

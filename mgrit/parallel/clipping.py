@@ -32,6 +32,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ._flatbuffers import distinct_tensors
 from .procgrid import ProcessGrid
 
 __all__ = ["clip_grad_norm_"]
@@ -42,14 +43,7 @@ def _tensors(parameters) -> list:
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    out, seen = [], set()
-    for i, p in enumerate(parameters):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"parameters must be tensors: item {i} is a {type(p).__name__}")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    return distinct_tensors(parameters)
 
 
 def _number_error(name: str, v, allow_inf: bool = False) -> str | None:

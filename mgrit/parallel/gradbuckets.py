@@ -27,6 +27,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ._flatbuffers import distinct_tensors
 from ._flatbuffers import (DEFAULT_BUCKET_BYTES, _buckets, _check_bucket_bytes, _check_comm,
                            _check_params, _reduce_bucket, _weight_error)
 from ..comm import raise_agreed
@@ -141,14 +142,7 @@ class GradientBuckets:
         if isinstance(parameters, torch.Tensor):
             raise TypeError(f"parameters must be a module, a callable or an iterable of "
                             f"tensors (e.g. model.parameters()), got a {type(parameters).__name__}")
-        known, seen = [], set()
-        for i, p in enumerate(parameters):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameters must be tensors: item {i} is a {type(p).__name__}")
-            if id(p) not in seen:
-                seen.add(id(p))
-                known.append(p)
-        return known
+        return distinct_tensors(parameters)
 
     def _build(self) -> None:
         """Lay the buffers out for the currently averaged parameters (the fingerprint's

@@ -68,7 +68,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgrit.comm import raise_agreed
-from mgrit.nn.batchnorm import register_replicas, release_replicas
+from mgrit.nn.batchnorm import normalize, register_replicas, release_replicas
 
 __all__ = ["SYNC_TYPES", "ReplicaSync", "refuse_unsynchronized", "sync_batch_norm",
            "global_moments", "has_sync_types", "share_scale"]
@@ -184,14 +184,7 @@ def sync_batch_norm(bn: _BatchNorm, x: torch.Tensor, comm: MPI.Comm) -> torch.Te
         with torch.no_grad():
             bn.running_mean.mul_(1.0 - factor).add_(mean.detach(), alpha=factor)
             bn.running_var.mul_(1.0 - factor).add_(var.detach() * (N / (N - 1)), alpha=factor)
-    shape = [1] * x.dim()
-    shape[1] = x.shape[1]
-    out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
-    if bn.weight is not None:
-        out = out * bn.weight.view(shape)
-    if bn.bias is not None:
-        out = out + bn.bias.view(shape)
-    return out
+    return normalize(bn, x, mean, var)
 
 
 def _named_modules(modules: Sequence[nn.Module],
