@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collective import agreed
+from .collective import CollectiveTimeout, agreed
 from .stats import SolverStats
 
 __all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
@@ -75,11 +75,14 @@ class Exchanger:
     def irecv(self, source: int, tag: int) -> "PostedRecv":
         """Post a receive of one state from ``source``; call ``.wait()`` for the tensor."""
         buf = np.empty(self.nbytes, dtype=np.uint8)
-        return PostedRecv(self, self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), buf)
+        return PostedRecv(self, self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), buf,
+                          source)
 
-    def recv(self, source: int, tag: int) -> torch.Tensor:
-        """Blocking receive of one state from ``source``."""
-        return self.irecv(source, tag).wait()
+    def recv(self, source: int, tag: int, timeout: float | None = None,
+             what: str = "a state") -> torch.Tensor:
+        """Blocking receive of one state from ``source``; with ``timeout`` (seconds), wait at
+        most that long (see :meth:`PostedRecv.wait`)."""
+        return self.irecv(source, tag).wait(timeout, what)
 
     def waitall(self) -> None:
         """Complete all pending sends (their buffers are released afterwards)."""
@@ -93,14 +96,33 @@ class Exchanger:
 class PostedRecv:
     """A posted receive; :meth:`wait` returns the state as a tensor on the template's device."""
 
-    def __init__(self, ex: Exchanger, req: MPI.Request, buf: np.ndarray):
-        self._ex, self._req, self._buf = ex, req, buf
+    def __init__(self, ex: Exchanger, req: MPI.Request, buf: np.ndarray, source: int = -1):
+        self._ex, self._req, self._buf, self._req_source = ex, req, buf, source
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeout: float | None = None, what: str = "a state") -> torch.Tensor:
+        """The received state. ``timeout`` (seconds; default ``None``: wait forever): poll
+        (``MPI_Test`` with a back-off of at most 0.5 ms between tests) and raise
+        :class:`~mgrit.collective.CollectiveTimeout` naming the source rank and ``what`` when
+        nothing arrived in time (the receive is cancelled; the communicator should not be used
+        afterwards)."""
         ex = self._ex
         t0 = time.perf_counter()
         status = MPI.Status()
-        self._req.Wait(status)
+        if timeout is None:
+            self._req.Wait(status)
+        else:
+            deadline, pause = time.monotonic() + timeout, 0.0
+            while not self._req.Test(status):
+                if time.monotonic() > deadline:
+                    self._req.Cancel()
+                    self._req.Wait()
+                    raise CollectiveTimeout(
+                        f"rank {ex.comm.Get_rank()} waited {timeout:g} s for {what} from rank "
+                        f"{self._req_source} that never came (that rank failed or never got "
+                        f"there; the deadline is $LAYERPAR_COLLECTIVE_TIMEOUT or "
+                        f"mgrit.collective.set_collective_timeout)")
+                pause = min(5e-4, pause * 2 or 1e-6)
+                time.sleep(pause)
         ex.stats.time["comm_wait"] += time.perf_counter() - t0
         if status.Get_count(MPI.BYTE) != ex.nbytes:
             raise RuntimeError(f"received {status.Get_count(MPI.BYTE)} bytes from rank "

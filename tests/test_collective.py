@@ -41,6 +41,17 @@ def test_missing_backward_and_one_rank_failure_end_the_job():
         in fail, fail[-3000:]
 
 
+def test_one_rank_failure_on_the_one_level_path_ends_the_job():
+    """A step's backward fails on the last rank only, on the pipelined one-level path (in the
+    caller's autograd engine, no library section around it): the previous rank's receive of
+    the gradient has the collective deadline, so the job ends naming rank 1 instead of waiting
+    forever (it waited forever before)."""
+    rc, out = _run("pipelined")
+    assert rc != 0 and "finished (must not happen)" not in out, out[-3000:]
+    assert "rank 0 failed in phase pipelined adjoint: CollectiveTimeout" in out \
+        and "the gradient of its last state from rank 1" in out, out[-3000:]
+
+
 def test_settings_are_checked(monkeypatch):
     monkeypatch.setattr(collective, "_settings", dict(collective._settings,
                                                       timeout=collective._UNSET, abort=None))

@@ -45,17 +45,19 @@ the backward keeps no other adjoint.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 from torch.func import functional_call
 
-from ..collective import guarded
+from ..collective import collective_timeout, guarded
 from ..comm import Exchanger
 from ..solver import MGRITResult
 from ..stats import SolverStats
 from .agreement import agree_backward, saved_or_error
 from .bridge import _WHAT, _version, version_error
+from .compiled import _is_compiled
 from .tied import TiedSync
 
 __all__ = ["one_level", "pipelined_forward"]
@@ -100,7 +102,8 @@ class _Pass:
     def enter(self, x0) -> torch.Tensor:
         if self.prev is None:
             return x0.clone()
-        return self.exchanger(self.stats).recv(self.prev, _TAG_STATE)
+        return self.exchanger(self.stats).recv(self.prev, _TAG_STATE, collective_timeout(),
+                                               "the input state of its layers")
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         if self.next is None:
@@ -177,11 +180,14 @@ class _Exit(torch.autograd.Function):
         y = None if saved is None else saved[0]
         if error is None:
             error = p.version_error()
+        if error is None:
+            error = _retained_compiled(m)
         p.need = agree_backward(m.comm, _WHAT, p.forward_id, error, (p.need_local,))[0]
         if not p.need:
             return None, None, None
         if p.next is not None:
-            grad = p.exchanger(m._bsolver.stats).recv(p.next, _TAG_GRAD)
+            grad = p.exchanger(m._bsolver.stats).recv(
+                p.next, _TAG_GRAD, collective_timeout(), "the gradient of its last state")
         elif grad is None:
             grad = torch.zeros(p.shape, dtype=m.dtype, device=m.device)
         x_in = ctx.x_in
@@ -191,6 +197,29 @@ class _Exit(torch.autograd.Function):
             (gx,) = torch.autograd.grad(y, x_in, grad, retain_graph=True)
             p.send_grad(gx, SolverStats())
         return None, grad, None
+
+
+def _retained_compiled(model) -> str | None:
+    """The refusal of a ``retain_graph=True`` backward through ``torch.compile``d modules in
+    the rank's layers while torch's donated buffers are on (checked before any message).
+
+    Inductor's compiled backward with donated buffers raises under ``retain_graph`` (or
+    ``create_graph``), and here it would raise on the ranks holding such layers only, after the
+    agreement, while the previous rank waits for this rank's gradient. Refused on every rank
+    instead; the message says how to allow it. (Some compiled backwards donate nothing and would
+    pass; this check cannot tell them apart before running them.)"""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep is None or not keep():
+        return None
+    config = sys.modules.get("torch._functorch.config")  # loaded once anything was compiled
+    if config is None or not getattr(config, "donated_buffer", False):
+        return None
+    if not any(_is_compiled(mod) for s in model.steps for mod in s.modules()):
+        return None
+    return ("a backward with retain_graph=True (or create_graph=True) through torch.compile'd "
+            "layers: torch's compiled backward with donated buffers refuses it; set "
+            "torch._functorch.config.donated_buffer = False before the first compiled call, or "
+            "backpropagate without retain_graph")
 
 
 def pipelined_forward(model, x0, batch: int) -> torch.Tensor:

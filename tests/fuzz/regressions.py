@@ -85,4 +85,14 @@ REGRESSIONS = [
      "program": {"net": _net("multiseg", "user", seed=8831, norm="inf", compiled=True),
                  "actions": [["forward", {"x": 119, "mode": "grad"}],
                              ["backward", {"i": 2, "w": 869, "retain": False, "all": False}]]}},
+    # new (campaign, session 7): torch.compile'd conv steps on the one-level path and
+    # backward(retain_graph=True): inductor's donated-buffer backward raised on the last rank
+    # only, after the backward agreement, while the other ranks waited for its gradient: a hang
+    # (P=3; seed 500247, shrunk by hand). Now refused on every rank before any message.
+    {"feature": "compile", "issue": "item 8 (compiled steps, one-level path)", "ranks": 3,
+     "source": "seed 500247",
+     "program": {"net": _net("conv", "subclass_buffer", layers=6, levels=1, seed=1099,
+                             norm="inf", compiled=True),
+                 "actions": [["forward", {"x": 929, "mode": "grad"}],
+                             ["backward", {"i": 0, "w": 983, "retain": True, "all": False}]]}},
 ]

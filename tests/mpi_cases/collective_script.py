@@ -4,7 +4,10 @@ exception, no fail_fast): a layer-parallel ResNet, one forward, then by ``sys.ar
 * ``skip``: rank 1 never calls ``.backward()`` (it waits in a barrier); rank 0's backward
   agreement must end the job after the 2 s deadline naming rank 1;
 * ``adjoint``: a step's VJP raises on rank 1 only, inside the adjoint MGRIT solve; the job
-  must end at once (the other rank waits in the solve), naming rank 1.
+  must end at once (the other rank waits in the solve), naming rank 1;
+* ``pipelined``: the same failure on the one-level path (``max_levels=1``), where rank 1's
+  layers run their backward in the caller's autograd engine, outside any library section:
+  rank 0 waits for rank 1's gradient at most the 2 s deadline, names rank 1, and ends the job.
 """
 import sys
 
@@ -43,7 +46,7 @@ class Step(nn.Module):
 
 
 torch.set_default_dtype(torch.float64)
-opts = MGRITOptions(max_levels=2, cfactor=2, max_iter=2)
+opts = MGRITOptions(max_levels=1 if mode == "pipelined" else 2, cfactor=2, max_iter=2)
 net = LayerParallelResNet.build(lambda k: Step(), 8, (4,), comm=comm, forward=opts,
                                 backward=opts)
 x = torch.randn(3, 4) if comm.Get_rank() == 0 else None
