@@ -27,12 +27,14 @@ into a RuntimeError on every rank (one small ``allgather`` per backward, skipped
 from __future__ import annotations
 
 import operator
+from contextlib import nullcontext
 
 import torch
 
 from .agreement import agree_backward, saved_or_error
 from .batchnorm import frozen_statistics, replica_comm, replicas_agree
 from .chains import AdjointChain
+from .contract import hooks_suspended
 
 __all__ = ["MGRITFunction", "node_backward", "version_error", "changed_error"]
 
@@ -115,7 +117,9 @@ class MGRITFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         model = ctx.model  # the forward's masks; BatchNorm: batch statistics, no update
-        with model._noise.use(*ctx.noise), frozen_statistics(model._bns), \
+        # hooks registered since the forward: the layer recomputations must not fire them
+        quiet_hooks = hooks_suspended(model.steps) if model._fingerprint.hooked() else nullcontext()
+        with model._noise.use(*ctx.noise), frozen_statistics(model._bns), quiet_hooks, \
                 replicas_agree([model._bsolver], replica_comm(model._bns)):
             gx0, *pgrads = node_backward(model, ctx, grad)
         return (None, None, None, gx0, None, *pgrads)

@@ -61,6 +61,7 @@ per-layer state that changes belongs in a buffer, and a changed function in a su
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 
@@ -69,7 +70,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 __all__ = ["kernel", "kernel_obstacle", "Fingerprint", "autocast_enabled",
-           "global_hooks_registered", "quiet"]
+           "global_hooks_registered", "hooks_suspended", "quiet"]
 
 #: per-module hook dicts that change what calling a module does (torch's own names)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -83,6 +84,36 @@ def global_hooks_registered() -> bool:
     """True when module hooks are registered for every module (``register_module_forward_hook``
     and friends)."""
     return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+@contextlib.contextmanager
+def hooks_suspended(root: nn.Module):
+    """Inside, no module hook fires: neither those on ``root``'s modules nor global module
+    hooks (the hook dicts are swapped for empty ones and put back on exit, also on an error).
+
+    For the layer recomputations of an MGRIT backward. Serial autograd never calls a layer in a
+    backward, so a hook registered between a forward and its backward (the forward ran MGRIT
+    because no hook was registered then; with hooks it runs the serial pipeline) must not fire
+    there. Cost: one pass over ``root``'s modules; used only when :meth:`Fingerprint.hooked`.
+    """
+    saved = []
+    for m in root.modules():
+        for name in MODULE_HOOKS:
+            d = m.__dict__.get(name)
+            if d:
+                saved.append((m.__dict__, name, d))
+                m.__dict__[name] = OrderedDict()
+    glob = [(name, getattr(_torch_module, name)) for name in _GLOBAL_HOOKS
+            if getattr(_torch_module, name, None)]
+    for name, _ in glob:
+        setattr(_torch_module, name, OrderedDict())
+    try:
+        yield
+    finally:
+        for space, name, d in saved:
+            space[name] = d
+        for name, d in glob:
+            setattr(_torch_module, name, d)
 
 
 def _definer(cls: type, name: str):

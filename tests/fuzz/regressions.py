@@ -95,4 +95,21 @@ REGRESSIONS = [
                              norm="inf", compiled=True),
                  "actions": [["forward", {"x": 929, "mode": "grad"}],
                              ["backward", {"i": 0, "w": 983, "retain": True, "all": False}]]}},
+    # new (campaign, session 7): a module hook registered between a multilevel forward and
+    # its backward fired in the adjoint's layer recomputations (serial autograd never calls a
+    # layer in a backward: 0 calls); P = 1, 2, 3 alike (seed 600387, shrunk by the fuzzer).
+    {"feature": None, "issue": "item 2 (hooks)", "ranks": 3, "source": "seed 600387",
+     "program": {"net": _net("dense", "shipped", seed=8177),
+                 "actions": [["forward", {"mode": "grad", "x": 510}], ["hook_add", {"kind": "count"}],
+                             ["backward", {"all": False, "i": 0, "retain": True, "w": 218}]]}},
+    {"feature": None, "issue": "item 2 (hooks)", "ranks": 1, "source": "seed 600387",
+     "program": {"net": _net("dense", "user", seed=8177),
+                 "actions": [["forward", {"mode": "grad", "x": 510}], ["hook_add", {"kind": "count"}],
+                             ["backward", {"all": False, "i": 0, "retain": True, "w": 218}]]}},
+    # the same with a hook that changes outputs: the recomputed layers were scaled, so the
+    # gradients were wrong (hand-reduced from seed 600387)
+    {"feature": None, "issue": "item 2 (hooks)", "ranks": 2, "source": "hand-reduced",
+     "program": {"net": _net("dense", "user", seed=8177),
+                 "actions": [["forward", {"mode": "grad", "x": 510}], ["hook_add", {"kind": "scale"}],
+                             ["backward", {"all": False, "i": 0, "retain": False, "w": 218}]]}},
 ]
