@@ -359,7 +359,7 @@ def check_bad_inputs(tmp_dir):
         comm.Barrier()
     assert not failures, "\n".join(failures)
     everyone = comm.allgather(messages)
-    # KNOWN BUG (mgrit/nn/resnet.py, not owned here): the Dropout/BatchNorm message names the
+    # KNOWN BUG (mgrit/nn/resnet/segment.py, not owned here): the Dropout/BatchNorm message names the
     # rank's own first offending layer, so it differs between ranks; reported, excluded here.
     diffs = [(a, b) for m in everyone for a, b in zip(m, everyone[0])
              if a != b and a[0] not in KNOWN_RANK_DEPENDENT]

@@ -2,7 +2,7 @@
 
 ``x_{k+1} = x_k + h F_k(x_k)``, ``k = 0..N-1``, ``h = T / N``; each rank of the layer
 communicator holds a contiguous block of layers (:class:`mgrit.grid.Partition`). Autograd
-bridge after TorchBraid's ``braid_function.py`` (:mod:`mgrit.nn.bridge`): each forward is one
+bridge after TorchBraid's ``braid_function.py`` (:mod:`mgrit.nn.resnet.bridge`): each forward is one
 autograd node whose forward is an MGRIT solve and whose backward is an MGRIT solve of the
 adjoint chain (Guenther et al. 2020, SIMODS) followed by one parallel sweep of parameter
 vector-Jacobian products, so optimizers see ordinary ``.grad`` on every rank.
@@ -16,12 +16,12 @@ forward, the backward chain swept serially across ranks (a one-level adjoint sol
 
 When both solves have one level (``max_levels=1``), there is nothing for MGRIT to do: the
 forward records the rank's layers in autograd as serial PyTorch does, pipelined across the
-ranks (:mod:`mgrit.nn.pipelined`; same autograd semantics, bitwise serial autograd on one
+ranks (:mod:`mgrit.nn.resnet.pipelined`; same autograd semantics, bitwise serial autograd on one
 rank). With a batched chain the node's parameter inputs are the stacked parameters
 (``torch.stack`` with autograd): no Python work per parameter tensor in the bridge.
 
 The step modules stay ordinary modules after build. Every forward (and every MGRIT backward)
-checks the fingerprint of :mod:`mgrit.nn.contract` and rebuilds the fast paths when the modules
+checks the fingerprint of :mod:`mgrit.nn.chains.contract` and rebuilds the fast paths when the modules
 changed (parameters replaced, submodules swapped, ...), so a user never has to announce a
 change. Module hooks on the steps (or global module hooks) and ``torch.autocast`` make the
 forward take the serial pipeline of the one-level path whatever the options (a
@@ -30,7 +30,7 @@ values used as in serial, and autocast has serial semantics in the backward too 
 run each layer many times on intermediate iterates and its adjoint outside autocast. The
 decision is agreed by every rank (one ``Allreduce`` of an int per forward when ``P > 1`` and the
 solve has several levels). State-dict keys do not depend on ``torch.compile`` of steps
-(:mod:`mgrit.nn.compiled`).
+(:mod:`mgrit.nn.chains.compiled`).
 """
 from __future__ import annotations
 
@@ -44,20 +44,20 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..collective import guarded
-from ..comm import raise_agreed
-from ..grid import Partition
-from ..options import MGRITOptions
-from ..solver import MGRIT
-from . import batchnorm, stochastic
+from ...collective import guarded
+from ...comm import raise_agreed
+from ...grid import Partition
+from ...options import MGRITOptions
+from ...solver import MGRIT
+from ..chains.compiled import compile_neutral_keys, plain_module
+from ..chains.contract import Fingerprint, autocast_enabled, global_hooks_registered
+from ..chains.propagators import ForwardChain
+from ..steps import batchnorm, stochastic
+from ..steps.basic import ResidualStep
 from .bridge import MGRITFunction
-from .chains import ForwardChain
-from .compiled import compile_neutral_keys, plain_module
-from .contract import Fingerprint, autocast_enabled, global_hooks_registered
 from .controls import SolverControls
 from .pipelined import one_level, pipelined_forward
 from .seeding import layer_seed, make_layers, serial_resnet
-from .steps import ResidualStep
 from .tied import TiedLayers, tie_groups
 
 __all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
@@ -75,8 +75,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
             (see :meth:`build`, which creates them for the default partition). Each maps a
             state ``(batch, *state_shape)`` to the same shape. BatchNorm: batch statistics in
             every application, running statistics once per training forward from the final
-            states (:mod:`mgrit.nn.batchnorm`). Dropout: :class:`mgrit.nn.stochastic.Dropout`
-            / ``DropPath``, one mask per training forward and layer (:mod:`mgrit.nn.stochastic`);
+            states (:mod:`mgrit.nn.steps.batchnorm`). Dropout: :class:`mgrit.nn.steps.Dropout`
+            / ``DropPath``, one mask per training forward and layer (:mod:`mgrit.nn.steps.stochastic`);
             torch's ``nn.Dropout*`` (a new mask at every application) raise ValueError.
             Layers may share parameters (the same ``Parameter`` object, e.g. one module for
             every layer) with ``P = 1``: gradients are summed as serial autograd sums them.
@@ -101,7 +101,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             (Guenther et al.'s simultaneous training warm-starts both directions; default
             False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
-        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.tied`): ``None`` (default:
+        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.resnet.tied`): ``None`` (default:
             none), a function of the **global** layer index ``k -> group key`` or a sequence
             of ``N`` keys (``None``: untied). ``tie=lambda k: 0``: every layer uses one module
             (a time-invariant ODE network, ALBERT); ``tie=lambda k: k // 4``: groups of four
@@ -134,7 +134,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         last_forward: the :class:`~mgrit.solver.MGRITResult` of the latest forward solve
             (residual history, stats; diagnostics only); ``last_backward``: of the adjoint.
         batching_obstacle: why this rank's layers are evaluated one by one (``None`` when
-            batched; see :mod:`mgrit.nn.stacking`).
+            batched; see :mod:`mgrit.nn.chains.stacking`).
     """
 
     def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape: Sequence[int],
@@ -316,7 +316,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
 
     def refresh_structure(self) -> None:
         """Re-read the step modules now. Rarely needed: every forward compares a fingerprint
-        of the step modules (:mod:`mgrit.nn.contract`: parameters, buffers and submodules
+        of the step modules (:mod:`mgrit.nn.chains.contract`: parameters, buffers and submodules
         replaced or added, dtypes, devices, ``training``, hooks) with the one its fast paths
         were built from and rebuilds them when it changed. Still useful after assigning a plain
         Python attribute of a step (``step._c = 2.0``; not in the fingerprint) and to re-check
@@ -344,7 +344,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         return stack is not None and not stack._native
 
     def _check_contract(self) -> None:
-        """The per-call check of :mod:`mgrit.nn.contract`: rebuild the fast paths when the
+        """The per-call check of :mod:`mgrit.nn.chains.contract`: rebuild the fast paths when the
         step modules changed since they were built."""
         if not self._fingerprint.same():
             self._restructure()
@@ -397,7 +397,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             rank takes part in the backward.
 
         In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
-        default generator first (on every rank; :mod:`mgrit.nn.stochastic`).
+        default generator first (on every rank; :mod:`mgrit.nn.steps.stochastic`).
         """
         seed = stochastic.draw_seed() if self._stochastic and self.training else None
         # an error on one rank only ends the job (mgrit.collective), whatever the launch line
@@ -417,7 +417,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
                                  "every rank, or use LayerParallelNet, which passes it")
             batch = int(batch_size)
         self._forward_count += 1
-        self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.contract)
+        self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.chains.contract)
         if one_level(self, torch.is_grad_enabled()) or self._serial_reason():
             return pipelined_forward(self, x0, batch)  # layer-wise model parallelism in autograd
         if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
@@ -448,7 +448,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             "a step drew random numbers from torch's default generator during the solve "
             "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
             "per forward, so it would be a different function in every sweep; use "
-            "mgrit.nn.stochastic.Dropout / DropPath modules")
+            "mgrit.nn.steps.Dropout / DropPath modules")
         self.last_forward = res
         if self.warm_start and update_warm:
             self._warm = res.states
