@@ -3,7 +3,12 @@ forward and adjoint MGRIT backward inside autograd (room ``resnet`` of :mod:`mgr
 the rooms ``steps`` and ``chains`` and the solver core, never ``gru`` or the network modules
 above it).
 
-* :mod:`mgrit.nn.resnet.segment`: the class;
+* :mod:`mgrit.nn.resnet.segment`: the class (construction, :meth:`~LayerParallelResNet.build`,
+  the forward and its solve);
+* :mod:`mgrit.nn.resnet.structure`: the structure of the step modules (checks, tie groups,
+  the fast paths' per-call contract, the serial fallback for hooks and autocast);
+* :mod:`mgrit.nn.resnet.global_view`: the network seen from every rank (``to_serial``, the
+  global state dict);
 * :mod:`mgrit.nn.resnet.controls`: the solver accessors (forward/backward solver, warm start,
   ``set_options``);
 * :mod:`mgrit.nn.resnet.bridge`: the autograd node (forward solve; adjoint solve and
