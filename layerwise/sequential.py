@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
+from mgrit.parallel.dataparallel import GradientBuckets
 from mgrit.parallel.procgrid import ProcessGrid
 from mgrit.parallel.replicas import refuse_unsynchronized
 from mgrit.training.faults import phase
@@ -204,6 +205,29 @@ class SequentialTrainer(SequentialStages, TrainingMethod):
         if self._train_ref is None:
             return None
         return self._cache.features(self._train_ref, len(self.layers))
+
+    # ------------------------------------------------------------------ stages (layerwise.stages)
+    def _enter(self, stage) -> None:
+        """Start ``stage``: freeze the layers below it (original flags for fine-tuning), a
+        fresh optimizer (given a resumed checkpoint's state for it), gradient buffers and the
+        replica synchronization."""
+        self._finish()
+        if stage == "finetune":  # every layer trains again: cached features go stale
+            self._cache.clear()
+        if self._flags is None:
+            self._flags = [[p.requires_grad for p in layer.parameters()] for layer in self.layers]
+        self._select(stage)
+        for k, (layer, flags) in enumerate(zip(self.layers, self._flags)):
+            for p, f in zip(layer.parameters(), flags):
+                p.requires_grad_(f and (stage == "finetune" or k >= self._depth))
+        name, momentum, wd = self.opt_args
+        params = [p for m in self._mods for p in m.parameters() if p.requires_grad]
+        self.stage_optimizer = make_optimizer(name, params, self.finetune_lr if stage ==
+                                              "finetune" else self.lr, momentum, wd)
+        self.optimizer.adopt(self.stage_optimizer)
+        if self._replicas > 1:  # persistent flat buffers; BatchNorm + buffer guard
+            self._buckets = GradientBuckets(params, self.data_comm)
+            self._sync_now = self._sync(self._mods)
 
     # ------------------------------------------------------------------ the Trainer's hooks
     def begin_epoch(self, epoch: int, epochs: int, shards: Sequence[int] = ()) -> None:

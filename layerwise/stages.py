@@ -1,13 +1,13 @@
 """The stages of :class:`~layerwise.sequential.SequentialTrainer` (sequential layer-by-layer
 training, Kim 2019): which modules a stage trains and on which cached depth
-(:meth:`SequentialStages._select`), entering a stage (the layers below it frozen, a fresh
-optimizer, gradient buckets and the replica synchronization for data parallelism) and finishing
-it (gradients released, optimizer dropped), restoring the layers' ``requires_grad`` flags at the
-end; and :class:`StageLog`, the training-loop callback that records every stage epoch.
+(:meth:`SequentialStages._select`), the replica synchronization of a stage's modules, finishing
+a stage (gradients released, optimizer dropped) and restoring the layers' ``requires_grad``
+flags at the end; and :class:`StageLog`, the training-loop callback that records every stage
+epoch. Entering a stage (the layers below it frozen, a fresh optimizer, gradient buckets) is
+``SequentialTrainer._enter`` in :mod:`layerwise.sequential`, which makes the optimizers.
 
-A mixin: the trainer owns the state (``layers``, ``heads``, ``grow``, ``plan``, ``opt_args``,
-``lr``, ``finetune_lr``, ``data_comm``, ``optimizer``, ``_cache``, ``_names``, ...); no
-communication here except building :class:`~mgrit.parallel.dataparallel.GradientBuckets` and
+A mixin: the trainer owns the state (``layers``, ``heads``, ``grow``, ``plan``, ``data_comm``,
+``stage_optimizer``, ``_names``, ...); no communication here except building
 :class:`~mgrit.parallel.replicas.ReplicaSync` over ``data_comm``.
 """
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from torch import nn
 
-from mgrit.parallel.dataparallel import GradientBuckets
 from mgrit.parallel.replicas import ReplicaSync
 
-from .common import make_optimizer, no_nan, release_gradients
+from .common import no_nan, release_gradients
 
 if TYPE_CHECKING:
     from .sequential import SequentialTrainer
@@ -28,7 +27,7 @@ __all__ = ["SequentialStages", "StageLog"]
 
 
 class SequentialStages:
-    """Stage selection, entry and exit of a :class:`~layerwise.sequential.SequentialTrainer`."""
+    """Stage selection, synchronization and exit of a :class:`~layerwise.sequential.SequentialTrainer`."""
 
     def _sync(self, modules: Sequence[nn.Module]) -> ReplicaSync:
         return ReplicaSync(modules, self.data_comm, names=[self._names[id(m)] for m in modules])
@@ -47,28 +46,6 @@ class SequentialStages:
         else:
             mods, depth = [self.layers[stage], self.heads[stage if self.grow == "top" else 0]], stage
         self._stage, self._mods, self._depth = stage, mods, depth
-
-    def _enter(self, stage) -> None:
-        """Start ``stage``: freeze the layers below it (original flags for fine-tuning), a
-        fresh optimizer (given a resumed checkpoint's state for it), gradient buffers and the
-        replica synchronization."""
-        self._finish()
-        if stage == "finetune":  # every layer trains again: cached features go stale
-            self._cache.clear()
-        if self._flags is None:
-            self._flags = [[p.requires_grad for p in layer.parameters()] for layer in self.layers]
-        self._select(stage)
-        for k, (layer, flags) in enumerate(zip(self.layers, self._flags)):
-            for p, f in zip(layer.parameters(), flags):
-                p.requires_grad_(f and (stage == "finetune" or k >= self._depth))
-        name, momentum, wd = self.opt_args
-        params = [p for m in self._mods for p in m.parameters() if p.requires_grad]
-        self.stage_optimizer = make_optimizer(name, params, self.finetune_lr if stage ==
-                                              "finetune" else self.lr, momentum, wd)
-        self.optimizer.adopt(self.stage_optimizer)
-        if self._replicas > 1:  # persistent flat buffers; BatchNorm + buffer guard
-            self._buckets = GradientBuckets(params, self.data_comm)
-            self._sync_now = self._sync(self._mods)
 
     def _finish(self) -> None:
         """End the stage being trained: its gradients released, its optimizer dropped."""
