@@ -1,4 +1,4 @@
-"""Benchmark: the cost of the fast paths' per-call contract check (:mod:`mgrit.nn.contract`).
+"""Benchmark: the cost of the fast paths' per-call contract check (:mod:`mgrit.nn.chains.contract`).
 
 Every forward of a :class:`~mgrit.nn.resnet.LayerParallelResNet` compares the fingerprint of its
 step modules (``Fingerprint.same`` and ``Fingerprint.hooked``, plus the autocast state) with
@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mgrit.nn import DenseStep, LayerParallelResNet  # noqa: E402
-from mgrit.nn.contract import autocast_enabled  # noqa: E402
+from mgrit.nn.chains.contract import autocast_enabled  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.training.report import RESULTS, markdown_table, run_metadata, write_table  # noqa: E402
 

@@ -42,7 +42,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mgrit.nn.gru import ParallelGRU  # noqa: E402
-from mgrit.nn.gru_chains import GRUChain  # noqa: E402
+from mgrit.nn.gru.chains import GRUChain  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.training.report import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
                                    write_table)

@@ -33,7 +33,7 @@ Acceptance (issue 15): speedup >= 2 where per-call overhead dominates (here: ``o
 and speedup near the bound elsewhere.
 
 Two more tables time the batched call with each projection kernel of
-``mgrit.nn.transformer.LINEAR_KERNELS`` (``TransformerStep.linear_kernel``) and with each layer
+``mgrit.nn.steps.transformer.LINEAR_KERNELS`` (``TransformerStep.linear_kernel``) and with each layer
 group budget ``TransformerStep.chunk_elements`` (``forward_batched`` applies the layers in groups
 whose largest intermediate stays within it; "all" = one group), interleaved the same way over
 ``max(3, R // 2)`` repeats, so that the defaults can be checked on the machine at hand.
@@ -55,7 +55,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mgrit.nn.transformer import LINEAR_KERNELS, TransformerStep  # noqa: E402
+from mgrit.nn.steps.transformer import LINEAR_KERNELS, TransformerStep  # noqa: E402
 from mgrit.training.report import RESULTS, markdown_table, run_metadata, write_table  # noqa: E402
 
 LAYERS = 16

@@ -4,8 +4,8 @@
 
 * :mod:`layerwise.heads` -- auxiliary heads (``make_head``) and ``ResidualStep``.
 * :mod:`layerwise.sequential` -- sequential layer-by-layer training, our reading of Kim 2019
-  (``SequentialTrainer``: the schedule of stages), with :mod:`layerwise.features` (the cached
-  outputs of its frozen layers).
+  (``SequentialTrainer``: the schedule of stages), with :mod:`layerwise.stages` (entering and
+  finishing a stage) and :mod:`layerwise.features` (the cached outputs of its frozen layers).
 * :mod:`layerwise.decoupled` -- DGL stages (Belilovsky et al. 2020) and the single-process
   reference loop (``DecoupledTrainer``).
 * :mod:`layerwise.pipeline` -- DGL pipelined over MPI ranks (stages x replicas;

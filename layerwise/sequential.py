@@ -54,17 +54,17 @@ from torch import nn
 
 from mgrit.parallel.dataparallel import GradientBuckets
 from mgrit.parallel.procgrid import ProcessGrid
-from mgrit.parallel.replicas import ReplicaSync, refuse_unsynchronized
+from mgrit.parallel.replicas import refuse_unsynchronized
 from mgrit.training.faults import phase
 from mgrit.training.method import MethodOptimizer, TrainingMethod
 from mgrit.training.trainer import Trainer
 
 from .common import (check_float, check_int, check_loss, check_targets, correct_count,
-                     eval_loss, make_optimizer, module_dtype, no_nan, output_shapes,
-                     release_gradients, shard_loss)
+                     eval_loss, make_optimizer, module_dtype, output_shapes, shard_loss)
 from .evaluate import accuracy
 from .features import FeatureCache
 from .heads import HeadSpec, check_head_fits, make_head
+from .stages import SequentialStages, StageLog
 
 __all__ = ["SequentialTrainer", "GROW_MODES"]
 
@@ -72,7 +72,7 @@ __all__ = ["SequentialTrainer", "GROW_MODES"]
 GROW_MODES = ("top", "before_output")
 
 
-class SequentialTrainer(TrainingMethod):
+class SequentialTrainer(SequentialStages, TrainingMethod):
     """Sequential layer-by-layer trainer (our reading of Kim 2019; see the module doc).
 
     Args:
@@ -206,25 +206,7 @@ class SequentialTrainer(TrainingMethod):
             return None
         return self._cache.features(self._train_ref, len(self.layers))
 
-    # ------------------------------------------------------------------ stages
-    def _sync(self, modules: Sequence[nn.Module]) -> ReplicaSync:
-        return ReplicaSync(modules, self.data_comm, names=[self._names[id(m)] for m in modules])
-
-    @property
-    def _replicas(self) -> int:
-        return 1 if self.data_comm is None else self.data_comm.Get_size()
-
-    def _select(self, stage) -> None:
-        """The modules, input depth and learning rate of ``stage`` (no training state)."""
-        L = len(self.layers)
-        if stage == "head":
-            mods, depth = [self.output_head], L
-        elif stage == "finetune":
-            mods, depth = [*self.layers, self.output_head], 0
-        else:
-            mods, depth = [self.layers[stage], self.heads[stage if self.grow == "top" else 0]], stage
-        self._stage, self._mods, self._depth = stage, mods, depth
-
+    # ------------------------------------------------------------------ stages (layerwise.stages)
     def _enter(self, stage) -> None:
         """Start ``stage``: freeze the layers below it (original flags for fine-tuning), a
         fresh optimizer (given a resumed checkpoint's state for it), gradient buffers and the
@@ -246,19 +228,6 @@ class SequentialTrainer(TrainingMethod):
         if self._replicas > 1:  # persistent flat buffers; BatchNorm + buffer guard
             self._buckets = GradientBuckets(params, self.data_comm)
             self._sync_now = self._sync(self._mods)
-
-    def _finish(self) -> None:
-        """End the stage being trained: its gradients released, its optimizer dropped."""
-        if self.stage_optimizer is not None:
-            self.stage_optimizer = self._buckets = self._sync_now = None
-            release_gradients(self._mods)
-
-    def _restore_flags(self) -> None:
-        if self._flags is not None:
-            for layer, flags in zip(self.layers, self._flags):
-                for p, f in zip(layer.parameters(), flags):
-                    p.requires_grad_(f)
-            self._flags = None
 
     # ------------------------------------------------------------------ the Trainer's hooks
     def begin_epoch(self, epoch: int, epochs: int, shards: Sequence[int] = ()) -> None:
@@ -402,21 +371,3 @@ class SequentialTrainer(TrainingMethod):
         if self.loss == "mse":
             return {"loss": float(F.mse_loss(logits, y)), "acc": None}
         return {"loss": float(F.cross_entropy(logits, y)), "acc": accuracy(logits, y)}
-
-
-class StageLog:
-    """Trainer callback: appends every epoch's ``{"stage", "epoch", "loss", "train_acc",
-    "test_acc", "test_loss", "time"}`` to ``method.history`` and calls ``method.log`` with it
-    (accuracies None when the loop has none: MSE)."""
-
-    def __init__(self, method: SequentialTrainer):
-        self.method = method
-
-    def on_epoch_end(self, trainer, rec) -> None:
-        m = self.method
-        entry = {"stage": m.plan[rec.epoch - 1], "epoch": rec.epoch, "loss": rec.loss,
-                 "train_acc": rec.train_acc, "test_acc": no_nan(rec.test_acc),
-                 "test_loss": rec.test_loss, "time": rec.epoch_time + rec.eval_time}
-        m.history.append(entry)
-        if m.log is not None:
-            m.log(entry)

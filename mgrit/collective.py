@@ -4,7 +4,7 @@ sections.
 
 * :func:`allgather_within` / :func:`rendezvous` -- an ``allgather`` (and an arrival check)
   with a deadline, for the collectives a user's call starts on every rank: the agreement
-  before a backward (:func:`mgrit.nn.agreement.agree_backward`), checkpoints and evaluation.
+  before a backward (:func:`mgrit.nn.chains.agreement.agree_backward`), checkpoints and evaluation.
   Built on point-to-point messages (``isend`` + ``improbe`` polled until the deadline), so a
   rank that never arrives is *named*: after :func:`collective_timeout` seconds (default
   :data:`DEFAULT_TIMEOUT` = 600 s; ``$LAYERPAR_COLLECTIVE_TIMEOUT``, or

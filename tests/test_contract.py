@@ -1,4 +1,4 @@
-"""Issue 22 items 1, 2, 3, 7, 8 (the fast paths' contract, :mod:`mgrit.nn.contract`): subclasses
+"""Issue 22 items 1, 2, 3, 7, 8 (the fast paths' contract, :mod:`mgrit.nn.chains.contract`): subclasses
 of the shipped steps, module hooks, parameters replaced after build, autocast and compiled
 steps, each against serial PyTorch autograd on the same weights (float64, 2 levels, solves to
 1e-13, compared at 1e-9 relative; autocast: float32/bfloat16 at 1e-6), on 1 rank in-process and
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mgrit.nn import DenseStep, LayerParallelResNet
-from mgrit.nn.contract import Fingerprint
+from mgrit.nn.chains.contract import Fingerprint
 from tests.mpi_cases import contract_cases as C
 from tests.mpi_harness import MPIBatch
 
@@ -75,7 +75,7 @@ def test_training_loop_needs_no_rescan(maker):
     """Forwards, backwards, optimizer steps and functional_call (the batched vmap path of a
     user step) write no watched dict: the per-call check stays O(1) (no rescan); a user
     step's batched path (template's flags for every layer) also compares training flags."""
-    from mgrit.nn import contract
+    from mgrit.nn.chains import contract
     lp = LayerParallelResNet.build(maker, 8, (3,), forward=C.EXACT, backward=C.EXACT)
     opt = torch.optim.SGD(lp.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(4, 3)

@@ -1,6 +1,6 @@
 """Fast paths equal the general paths they replace (no timing here).
 
-* The one-level exact path of ``LayerParallelResNet`` (``mgrit.nn.pipelined``: the rank's
+* The one-level exact path of ``LayerParallelResNet`` (``mgrit.nn.resnet.pipelined``: the rank's
   layers recorded in autograd, two messages per rank boundary) under every usage pattern of
   tests/test_nn_usage.py, on 1, 2 and 3 ranks, and in ``LayerParallelNet`` segments (those of
   tests/test_segments_mpi.py), against serial PyTorch autograd in float64: the usage scenarios
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mgrit.nn import ConvStep, DenseStep, LayerParallelResNet, serial_resnet
-from mgrit.nn.bridge import MGRITFunction
+from mgrit.nn.resnet.bridge import MGRITFunction
 from mgrit.nn.chains import AdjointChain, ForwardChain
 from mgrit.options import MGRITOptions
 from mgrit.problems import Dahlquist

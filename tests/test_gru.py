@@ -15,8 +15,8 @@ from torch.nn.utils.rnn import pack_sequence
 
 from data.sequences import ADDING_BASELINE_MSE, make_adding_problem
 from mgrit.nn.gru import ParallelGRU
-from mgrit.nn.gru_chains import GRUAdjointChain, GRUChain
-from mgrit.nn.gru_classifier import GRUSequenceClassifier, image_rows
+from mgrit.nn.gru.chains import GRUAdjointChain, GRUChain
+from mgrit.nn.gru.classifier import GRUSequenceClassifier, image_rows
 from mgrit.options import MGRITOptions
 
 DT = torch.float64

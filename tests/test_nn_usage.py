@@ -3,7 +3,7 @@ bullet of item 8), against serial PyTorch autograd on the same weights, float64 
 <= 1e-12 relative, on 1, 2 and 3 ranks (one MPI job per rank count: the checks are in
 tests/mpi_cases/nn_usage_cases.py and nn_module_cases.py).
 
-Serial (no mpiexec) unit tests of the batching proof (:mod:`mgrit.nn.stacking`) are below the
+Serial (no mpiexec) unit tests of the batching proof (:mod:`mgrit.nn.chains.stacking`) are below the
 MPI checks.
 """
 import pytest
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mgrit.nn import DenseStep, LayerParallelResNet, make_step, serial_resnet
-from mgrit.nn.stacking import batching_obstacle
+from mgrit.nn.chains.stacking import batching_obstacle
 from mgrit.options import MGRITOptions
 from tests.mpi_harness import MPIBatch
 

@@ -30,10 +30,11 @@ pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skip
 
 ROOT = Path(__file__).resolve().parent.parent
 C = "tests.mpi_cases.reliability_cases"
+V = "tests.mpi_cases.bad_input_cases"  # acceptance 2
 TMP = tempfile.mkdtemp(prefix="layerpar-rel-")
 BATCH = MPIBatch(timeout=300)
 
-BATCH.add(3, "bad_inputs", f"{C}:check_bad_inputs", tmp_dir=TMP)
+BATCH.add(3, "bad_inputs", f"{V}:check_bad_inputs", tmp_dir=TMP)
 for mode in ("exact", "inexact"):
     BATCH.add(2, f"resume_bitwise-{mode}", f"{C}:check_resume_bitwise", ckpt_dir=TMP, mode=mode)
 BATCH.add(2, "save_for_repartition", f"{C}:check_save_for_repartition", ckpt_dir=TMP)

@@ -1,5 +1,5 @@
-"""BatchNorm, Dropout and DropPath inside layer-parallel steps (mgrit/nn/batchnorm.py,
-mgrit/nn/stochastic.py).
+"""BatchNorm, Dropout and DropPath inside layer-parallel steps (mgrit/nn/steps/batchnorm.py,
+mgrit/nn/steps/stochastic.py).
 
 MPI (tests/mpi_cases/stateful_cases.py; one job per rank count): exact mode (float64, 1e-13)
 against an independently built serial network trained by autograd and SGD on the same batches
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mgrit.nn import LayerParallelResNet, TransformerStep
-from mgrit.nn.stochastic import Dropout, DropPath, NoiseSource
+from mgrit.nn.steps.stochastic import Dropout, DropPath, NoiseSource
 from mgrit.options import MGRITOptions
 from tests.mpi_harness import MPIBatch
 

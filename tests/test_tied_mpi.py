@@ -1,4 +1,4 @@
-"""Weight-tied layers across ranks (``LayerParallelResNet(tie=...)``, mgrit/nn/tied.py) on 1-4
+"""Weight-tied layers across ranks (``LayerParallelResNet(tie=...)``, mgrit/nn/resnet/tied.py) on 1-4
 ranks, N = 7 layers (not divisible by 2, 3, 4), float64 exact mode, against serial PyTorch
 autograd with the same tied module(s) (tests/mpi_cases/tied_cases.py): loss, output, every
 gradient right after ``backward()`` (a tied parameter's is the full serial gradient on every

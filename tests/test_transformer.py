@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mgrit.nn.chains import ForwardChain
-from mgrit.nn.transformer import LINEAR_KERNELS, TransformerStep
+from mgrit.nn.steps.transformer import LINEAR_KERNELS, TransformerStep
 
 ROOT = Path(__file__).resolve().parent.parent
 DT = torch.float64

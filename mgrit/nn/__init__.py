@@ -12,11 +12,29 @@ Guenther, Schroder 2019; MG/Opt) is in :mod:`mgrit.nn.depth` (``prolong``, ``res
 ``transfer_weights``, ``DepthTransfer``). Weight-tied layers, also across ranks
 (``LayerParallelResNet.build(..., tie=lambda k: 0)``: one module for every layer; replicas
 kept identical, gradients summed over the layer ranks inside the backward) are in
-:mod:`mgrit.nn.tied`.
+:mod:`mgrit.nn.resnet.tied`.
 Depends on torch, mpi4py and the solver core (``mgrit.comm``, ``grid``,
 ``options``, ``solver``); never imports ``mgrit.parallel``, ``mgrit.training`` or
 ``experiments``. Uses only the layer communicator handed to each segment (never
 ``COMM_WORLD``).
+
+Rooms (sub-packages); each imports only the rooms it names, and no room imports the modules at
+the top:
+
+* :mod:`mgrit.nn.steps` -- the step modules ``F`` (dense, conv, transformer block) and how
+  BatchNorm and Dropout/DropPath behave inside solves. Imports no other room.
+* :mod:`mgrit.nn.chains` -- step modules as MGRIT chains (forward and adjoint propagators), the
+  fast paths' contract and stacked evaluation, compile-neutral state-dict keys, the agreement
+  before a collective backward. Imports no other room.
+* :mod:`mgrit.nn.resnet` -- one layer-parallel segment, :class:`LayerParallelResNet` (its
+  autograd node, the one-level exact path, weight ties, seeded construction, solver controls).
+  Imports ``steps`` and ``chains``.
+* :mod:`mgrit.nn.gru` -- :class:`ParallelGRU` and :class:`GRUSequenceClassifier`. Imports
+  ``chains``.
+* the modules at the top, above every room: :mod:`mgrit.nn.net` (:class:`LayerParallelNet`)
+  with :mod:`mgrit.nn.segments` (its layout and checks) and ``_p2p`` (its transfers between
+  segments); :mod:`mgrit.nn.depth` with ``_depth_plan`` (depth transfer). They may import every
+  room.
 
 Example: a complete script; run it with ``mpiexec -n P python -m mpi4py example.py`` for any
 ``P`` up to 8 -- it prints the same losses for every ``P`` (``tests/test_segments_mpi.py`` runs
@@ -58,12 +76,11 @@ this text as written on 1, 2 and 3 ranks)::
 ``net.to_serial()`` gives the equivalent ``nn.Sequential`` on every rank; exact mode (a
 tolerance instead of ``tol=0``, float64) reproduces its gradients to round-off.
 """
-from .gru import ParallelGRU
-from .gru_classifier import GRUSequenceClassifier
+from .gru import GRUSequenceClassifier, ParallelGRU
 from .net import LayerParallelNet
 from .resnet import LayerParallelResNet, layer_seed, serial_resnet
-from .steps import ConvStep, DenseStep, ResidualStep, SmoothReLU, TwoConvStep, make_step
-from .transformer import TransformerStep
+from .steps import (ConvStep, DenseStep, ResidualStep, SmoothReLU, TransformerStep, TwoConvStep,
+                    make_step)
 
 __all__ = ["LayerParallelNet", "LayerParallelResNet", "serial_resnet", "DenseStep", "ConvStep",
            "TwoConvStep", "TransformerStep", "make_step", "ParallelGRU", "GRUSequenceClassifier"]

@@ -58,10 +58,10 @@ from torch.nn import functional as F
 from ..comm import raise_agreed
 from ..stats import SolverStats
 from ._p2p import join, recv, send, transfer_tag
-from .compiled import compile_neutral_keys, plain_module
+from .chains.compiled import compile_neutral_keys, plain_module
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
-from .stochastic import seed_serial
+from .steps.stochastic import seed_serial
 
 __all__ = ["LayerParallelNet", "alias_tied", "tied_conflict"]
 
@@ -276,7 +276,7 @@ class LayerParallelNet(nn.Module):
     def _local_modules(self):
         """``(serial index, module, h)`` for every layer (``h``: its step size) and ordinary
         module (``h = None``) this rank holds; a ``torch.compile``d module as the module it
-        wraps (:mod:`mgrit.nn.compiled`: global keys do not depend on compilation)."""
+        wraps (:mod:`mgrit.nn.chains.compiled`: global keys do not depend on compilation)."""
         for part in self._parts:
             if part.is_segment:
                 seg = part.module

@@ -36,7 +36,7 @@ running means by 0.58, 2 replicas).
   backward, before the gradients are averaged and the optimizer steps (for changes that
   depend on the data); one 1-int ``Allreduce`` per step agrees on the verdict.
 
-Inside layer-parallel steps (:mod:`mgrit.nn.batchnorm`) the synchronized BatchNorms
+Inside layer-parallel steps (:mod:`mgrit.nn.steps.batchnorm`) the synchronized BatchNorms
 normalize with the global batch's statistics in every MGRIT application and update their
 running statistics once per forward, through the forward installed here.
 
@@ -68,7 +68,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mgrit.comm import raise_agreed
-from mgrit.nn.batchnorm import normalize, register_replicas, release_replicas
+from mgrit.nn.steps.batchnorm import normalize, register_replicas, release_replicas
 
 __all__ = ["SYNC_TYPES", "ReplicaSync", "refuse_unsynchronized", "sync_batch_norm",
            "global_moments", "has_sync_types", "share_scale"]

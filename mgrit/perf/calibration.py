@@ -14,7 +14,7 @@ a training step of the model runs (its options and :attr:`LayerParallelResNet.n_
 * **MGRIT forward, one-level adjoint** (``adjoint="serial"``, Kirby et al. 2020): the adjoint's
   single steps through each layer's module with autograd (one graph per layer and solve), the
   per-layer parameter-gradient loop, and a bridge with one autograd input per parameter;
-* **the one-level exact path** (:mod:`mgrit.nn.pipelined`; both solves one level): no solver at
+* **the one-level exact path** (:mod:`mgrit.nn.resnet.pipelined`; both solves one level): no solver at
   all -- the rank's layers recorded by autograd, pipelined across ranks. Its per-layer forward
   and backward costs and fixed costs are the slope and intercept of the real path, run on one
   process over two depths of this rank's layers (:func:`pipelined_costs`).
@@ -283,7 +283,7 @@ def _bridge_backward(lp, x, names, timed, repeats) -> float:
 
 def pipelined_costs(lp, x, clock, repeats=3) -> tuple[float, float, float, float]:
     """``(per-layer forward, per-layer backward, fixed forward, fixed backward)`` seconds of the
-    one-level exact path (:mod:`mgrit.nn.pipelined`) over this rank's layers of ``lp`` at the
+    one-level exact path (:mod:`mgrit.nn.resnet.pipelined`) over this rank's layers of ``lp`` at the
     batch of ``x``: the real path run on one process (a ``LayerParallelResNet`` on
     ``COMM_SELF`` sharing ``lp``'s step modules, both solves one level) at ``n // 4`` and ``n``
     layers, training forward (autograd records the layers) and its backward from a fixed

@@ -3,7 +3,7 @@ costs, :mod:`mgrit.perf.calibration`) and the predicted critical path of a step
 (:func:`resnet_times`, :func:`training_times`). The step is the replay of the MGRIT solves
 (:func:`mgrit.perf.model.simulate`) when it solves with MGRIT; with one level in both
 directions it runs the exact path instead, a pipelined chain of autograd layers
-(:mod:`mgrit.nn.pipelined`): ``N tau_pipe + (P - 1) beta`` per direction.
+(:mod:`mgrit.nn.resnet.pipelined`): ``N tau_pipe + (P - 1) beta`` per direction.
 
 Below :mod:`mgrit.nn` in the layering (uses :mod:`mgrit.grid`/:mod:`mgrit.options` only).
 """
@@ -39,7 +39,7 @@ class TrainCosts:
     * ``solve_fixed``: the solver's fixed cost per solve (set-up, validation, state allocation
       not proportional to the work; :func:`mgrit.perf.calibration.solver_overhead_fit`);
     * ``pipe_fwd``/``pipe_bwd``: per layer, forward (recorded by autograd) and backward of the
-      one-level exact path (:mod:`mgrit.nn.pipelined`: no solver, the rank's layers in
+      one-level exact path (:mod:`mgrit.nn.resnet.pipelined`: no solver, the rank's layers in
       autograd), ``pipe_fwd_fixed``/``pipe_bwd_fixed`` its fixed costs per forward / backward
       on one rank (0 when that path was not calibrated);
     * ``path_fwd``/``path_bwd`` (per layer, may be < 0) and ``fixed_fwd``/``fixed_bwd`` (per
@@ -77,7 +77,7 @@ def n_levels(N: int, P: int, options: MGRITOptions) -> int:
 
 
 def one_level_exact(N: int, P: int, fwd: MGRITOptions, bwd: MGRITOptions) -> bool:
-    """Whether a training step runs the one-level exact path (:mod:`mgrit.nn.pipelined`, both
+    """Whether a training step runs the one-level exact path (:mod:`mgrit.nn.resnet.pipelined`, both
     solves one level): a pipelined chain of autograd layers instead of MGRIT solves."""
     return n_levels(N, P, fwd) == 1 and n_levels(N, P, bwd) == 1
 

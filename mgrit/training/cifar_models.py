@@ -12,7 +12,7 @@ follows). Differences from He et al.: the ReLU after the addition is left out (a
 step has none; the state of the chain is the sum), and the transitions are single strided
 convolutions rather than a block with a projection shortcut.
 
-BatchNorm inside the chains follows :mod:`mgrit.nn.batchnorm` (batch statistics in every MGRIT
+BatchNorm inside the chains follows :mod:`mgrit.nn.steps.batchnorm` (batch statistics in every MGRIT
 application, running statistics once per training forward, the global batch over data-parallel
 replicas); in inexact mode (``--tol 0``) the running statistics come from the approximate final
 states. ``--step``, ``--kernel`` and ``--activation`` are not used. Seeds as in

@@ -36,7 +36,7 @@ entry (1-based, default 1) of that phase on that rank. Example::
 Phase names used by the library (:data:`PHASES`): ``"forward relaxation"``, ``"coarse solve"``
 (forward MGRIT; see :func:`instrument_resnet`), ``"adjoint"`` (the backward solve),
 ``"pipelined forward"`` / ``"pipelined adjoint"`` (the one-level exact path of
-:mod:`mgrit.nn.pipelined`, which runs no MGRIT solve: its forward sweep and messages / its
+:mod:`mgrit.nn.resnet.pipelined`, which runs no MGRIT solve: its forward sweep and messages / its
 backward's checks, agreement and gradient messages),
 ``"data loading"``, ``"gradient averaging"`` and ``"evaluation"`` (the training loop),
 ``"checkpoint"`` (:mod:`mgrit.training.checkpoint`), ``"run directory"`` and ``"model setup"``

@@ -71,7 +71,7 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
     g.add_argument("--dropout", type=float, default=D.dropout, help="vit/gpt: dropout "
                    "probability on the attention probabilities, both residual branches and the "
                    "MLP hidden layer of every block (0 = off; one mask per forward and layer, the "
-                   "same in every MGRIT sweep: mgrit.nn.stochastic)")
+                   "same in every MGRIT sweep: mgrit.nn.steps.stochastic)")
     g.add_argument("--drop-path", type=float, default=D.drop_path, help="vit/gpt: stochastic "
                    "depth, probability of dropping a block's branch per sample (0 = off; ViTs "
                    "use 0.1 for deep models)")

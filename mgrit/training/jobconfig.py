@@ -16,7 +16,7 @@ from data import available_datasets
 from data.text import TEXT_CORPORA
 
 from ..nn.depth import PROLONGATIONS
-from ..nn.gru_chains import COARSE_PROPAGATORS
+from ..nn.gru.chains import COARSE_PROPAGATORS
 from ..options import relaxation_sweeps
 from .lrschedule import SCHEDULES
 from .multilevel_init import depth_schedule, epoch_schedule

@@ -112,7 +112,7 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     Layer-parallel: MGRIT options from :func:`mgrit_options`, ``cfg.adjoint``,
     ``cfg.warm_start``, ``cfg.warm_start_adjoint``. ``cfg.tied`` (optional, default False):
     every layer uses one step module (``tie=lambda k: 0``; made as layer 0's), on every rank a
-    replica kept identical (:mod:`mgrit.nn.tied`). ``form="layers"``: ``[opening,
+    replica kept identical (:mod:`mgrit.nn.resnet.tied`). ``form="layers"``: ``[opening,
     ResidualStep(F_0), ...]`` (no closing; layer-wise training adds heads)."""
     opening, closing, state_shape = _opening_closing(cfg, in_shape, num_classes)
     make = lambda k: make_step(cfg.step, _features(cfg), cfg.activation, cfg.kernel)  # noqa: E731

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import LayerParallelNet, LayerParallelResNet, ParallelGRU
-from ..nn.compiled import plain_module
+from ..nn.chains.compiled import plain_module
 from .faults import instrument_resnet, instrument_solver
 
 __all__ = ["SerialNet", "as_net", "blocks", "segments", "solver_results", "solver_options",

@@ -3,11 +3,11 @@ parallel in time, and the long synthetic sequence task ``--dataset adding``.
 
 ``--model gru``: the input is read as a sequence -- a single-channel image ``(1, H, W)`` row by
 row (``H`` time steps of ``W`` features: row-by-row MNIST is 28 steps of 28 pixels,
-:func:`mgrit.nn.gru_classifier.image_rows`), a sequence set ``(T, F)`` as it is -- into a
+:func:`mgrit.nn.gru.classifier.image_rows`), a sequence set ``(T, F)`` as it is -- into a
 one-layer GRU of ``--hidden`` units, then a linear head on the final hidden state (Moon & Cyr,
 "Parallel training of GRU networks with a multi-grid solver for long sequences", ICLR 2022).
 
-* ``--method mgrit``: :class:`GRUNet`, a :class:`~mgrit.nn.gru_classifier.GRUSequenceClassifier`
+* ``--method mgrit``: :class:`GRUNet`, a :class:`~mgrit.nn.gru.classifier.GRUSequenceClassifier`
   whose :class:`~mgrit.nn.gru.ParallelGRU` is solved by MGRIT over the time steps, distributed
   over the layer ranks (here: time ranks), forward and adjoint. Its MGRIT options are the main
   job's (:func:`mgrit.training.models.mgrit_options`: ``--levels``, ``--cfactor``, ``--relax``,
@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from data.sequences import ADDING_BASELINE_MSE, make_adding_problem
 
-from ..nn.gru_classifier import GRUSequenceClassifier, image_rows
+from ..nn.gru.classifier import GRUSequenceClassifier, image_rows
 from ..options import MGRITOptions
 from .jobconfig import SEQUENCE_TASKS
 from .models import mgrit_options, register
@@ -94,7 +94,7 @@ class GRUNet(GRUSequenceClassifier):
 
     Args:
         input_size, hidden_size, n_outputs, comm: of
-            :class:`~mgrit.nn.gru_classifier.GRUSequenceClassifier`.
+            :class:`~mgrit.nn.gru.classifier.GRUSequenceClassifier`.
         eval_options: :class:`~mgrit.options.MGRITOptions` of forwards in ``eval()`` mode
             without grad (None: the training forward options).
         **gru_kwargs: ``forward``, ``backward``, ``warm_start``, ``coarse`` of

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..nn import LayerParallelNet, LayerParallelResNet, ResidualStep, TransformerStep, make_step
-from ..nn.seeding import serial_resnet
+from ..nn.resnet.seeding import serial_resnet
 from ..nn.steps import activation
 from .jobconfig import LANGUAGE_MODELS
 from .models import mgrit_options, register

@@ -155,7 +155,7 @@ class ModelActions:
         both("ser", lambda: self.ser_loss(ys, v).backward())
         both("lp", lambda: self.lp_loss(yl, v).backward())
         both("lp", self._average)
-        # module hooks make the forward run the serial pipeline (mgrit.nn.contract): serial
+        # module hooks make the forward run the serial pipeline (mgrit.nn.chains.contract): serial
         # semantics, NaN gradients without a verdict as in serial PyTorch; no MGRIT solve
         if self.spec["levels"] > 1 and not (self.hooks and not self.twin.gru):
             solves = [self.twin.lp] if self.twin.gru else list(self.twin.lp.segments)

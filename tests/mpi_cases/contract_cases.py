@@ -13,8 +13,8 @@ from torch import nn
 
 from mgrit.nn import (ConvStep, DenseStep, LayerParallelNet, LayerParallelResNet,
                       TransformerStep, serial_resnet)
-from mgrit.nn.compiled import plain_module
-from mgrit.nn.contract import kernel
+from mgrit.nn.chains.compiled import plain_module
+from mgrit.nn.chains.contract import kernel
 from mgrit.options import MGRITOptions
 from tests.mpi_cases.nn_cases import COMM, _global_max, _rand, _rel
 

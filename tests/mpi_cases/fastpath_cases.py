@@ -1,4 +1,4 @@
-"""The one-level exact path of :class:`LayerParallelResNet` (``mgrit.nn.pipelined``) under every
+"""The one-level exact path of :class:`LayerParallelResNet` (``mgrit.nn.resnet.pipelined``) under every
 usage pattern of tests/mpi_cases/nn_usage_cases.py, against serial PyTorch autograd (float64),
 run by tests/test_fastpaths.py on 1, 2 and 3 ranks.
 

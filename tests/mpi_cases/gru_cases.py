@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_sequence
 
 from mgrit.nn.gru import ParallelGRU
-from mgrit.nn.gru_classifier import GRUSequenceClassifier
+from mgrit.nn.gru.classifier import GRUSequenceClassifier
 from mgrit.options import MGRITOptions
 
 COMM = MPI.COMM_WORLD

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, TransformerStep, serial_resnet
-from mgrit.nn.stochastic import Dropout, DropPath
+from mgrit.nn.steps.stochastic import Dropout, DropPath
 from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid, ReplicaSync
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, serial_resnet
-from mgrit.nn.transformer import TransformerStep
+from mgrit.nn.steps.transformer import TransformerStep
 from mgrit.options import MGRITOptions
 
 COMM = MPI.COMM_WORLD

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from .steps import ResidualStep
-from .stochastic import seed_serial
+from ..steps.basic import ResidualStep
+from ..steps.stochastic import seed_serial
 from .tied import tie_groups
 
 __all__ = ["layer_seed", "make_layers", "serial_resnet"]
@@ -48,7 +48,7 @@ def make_layers(make_step: Callable[[int], nn.Module], layers, seed: int, groups
     caller's RNG states are unchanged afterwards. Returns ``(steps, foreign)``: ``foreign``
     lists ``(k, name)`` of parameters of layer ``k`` that ``make_step(k)`` did not create
     (shared with modules built elsewhere). ``groups``: tie groups per global layer
-    (:func:`mgrit.nn.tied.tie_groups`): a group's module is ``make_step(k0)`` seeded with
+    (:func:`mgrit.nn.resnet.tied.tie_groups`): a group's module is ``make_step(k0)`` seeded with
     ``layer_seed(seed, k0)`` (``k0`` its first layer), made once and used for its layers."""
     steps, foreign, made = [], [], set()
     first, module = {}, {}

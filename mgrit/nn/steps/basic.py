@@ -4,7 +4,7 @@ Every step maps a state to a state of the same shape; any user ``nn.Module`` wit
 works. Shapes: dense states ``(batch, width)``; convolutional states ``(batch, C, H, W)``.
 dtype follows the module's parameters (float64 for exact tests, float32 for training).
 
-Fast paths (contract in :mod:`mgrit.nn.contract`): the native kernels here (``forward_batched``,
+Fast paths (contract in :mod:`mgrit.nn.chains.contract`): the native kernels here (``forward_batched``,
 ``forward_layer``, ``vjp_batched``, ``linearize_batched``, ``stack_extras``) run only for a
 module whose class is the one that defines both them and ``forward`` (a subclass that overrides
 ``forward`` gets the general path) and whose ``kernel_obstacle()`` is ``None`` (the submodules
@@ -106,7 +106,7 @@ class DenseStep(nn.Module):
         :meth:`vjp_batched`, :meth:`linearize_batched`) do not compute this module's
         ``forward`` (a message), else ``None``: they assume ``linear`` is exactly an
         ``nn.Linear`` with a bias and ``act`` a built-in activation (no parameters, no
-        per-layer state). Read by :func:`mgrit.nn.contract.kernel`, which also refuses the
+        per-layer state). Read by :func:`mgrit.nn.chains.contract.kernel`, which also refuses the
         kernels to a subclass that overrides ``forward``."""
         return _linear_obstacle("DenseStep", "linear", self.linear) or \
             _act_obstacle("DenseStep", self.act)
@@ -133,7 +133,7 @@ class DenseStep(nn.Module):
     @staticmethod
     def stack_extras(p: dict) -> dict:
         """Derived tensors of a stacked snapshot ``p`` (see
-        :meth:`mgrit.nn.stacking.Stacked.refresh`): the transposed weights ``(B, w, w)``,
+        :meth:`mgrit.nn.chains.stacking.Stacked.refresh`): the transposed weights ``(B, w, w)``,
         contiguous -- ``bmm`` with them is about 30% faster on CPU than with a transposed
         view. Constants: not used where a weight gradient is taken."""
         return {_WT: p["linear.weight"].transpose(1, 2).contiguous()}

@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 from torch.nn import functional as F
 
-from ..propagator import Propagator
+from ...propagator import Propagator
 
 __all__ = ["GRUChain", "GRUAdjointChain", "COARSE_PROPAGATORS", "gru_gates", "gru_vjp"]
 

@@ -121,7 +121,7 @@ def _check_p(name: str, p) -> float:
 
 
 class _Stochastic(nn.Module):
-    #: never stacked with other layers (``mgrit.nn.stacking``'s documented opt-out)
+    #: never stacked with other layers (``mgrit.nn.chains.stacking``'s documented opt-out)
     batchable = False
 
     def __init__(self, p: float = 0.5):
@@ -179,7 +179,7 @@ def plain_dropout_error(steps: Sequence[nn.Module], first: int) -> str | None:
             if isinstance(m, _PLAIN):
                 return (f"layer {first + j} contains {type(m).__name__} ({name or 'the step'}), "
                         f"which draws a new mask at every application, i.e. in every MGRIT "
-                        f"sweep: use mgrit.nn.stochastic.Dropout(p) (same masks in every sweep, "
+                        f"sweep: use mgrit.nn.steps.Dropout(p) (same masks in every sweep, "
                         f"the adjoint and recomputation; one mask per forward and layer) or "
                         f"DropPath(p) for stochastic depth")
     return None

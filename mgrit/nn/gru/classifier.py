@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from .gru import ParallelGRU
+from .parallel import ParallelGRU
 
 __all__ = ["GRUSequenceClassifier", "image_rows"]
 

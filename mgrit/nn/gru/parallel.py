@@ -4,7 +4,7 @@ Moon & Cyr, "Parallel training of GRU networks with a multi-grid solver for long
 (ICLR 2022): the GRU over a long sequence is a time chain ``h_{t+1} = GRUCell(x_t, h_t)``;
 its forward solve is nonlinear FAS-MGRIT over the time steps, distributed over the ranks of a
 time communicator, and its gradient an adjoint MGRIT solve over the reversed chain followed by
-one parallel sweep of local vector-Jacobian products (the chains: :mod:`mgrit.nn.gru_chains`).
+one parallel sweep of local vector-Jacobian products (the chains: :mod:`mgrit.nn.gru.chains`).
 Unlike their "implicit GRU", the fine level here is PyTorch's ``nn.GRUCell`` exactly, so exact
 mode reproduces ``nn.GRU`` training; only the coarse levels use a rediscretized step.
 
@@ -12,9 +12,9 @@ Every rank holds the same parameters (those of ``nn.GRUCell``) and the time step
 (:meth:`ParallelGRU.time_slice`); each rank's parameter gradient is the sum over its steps,
 summed over the time communicator by one ``Allreduce``, so every replica gets the full serial
 gradient and stays identical under any optimizer. Each forward in grad mode is one autograd node
-that owns everything its backward needs (:mod:`mgrit.nn.gru_bridge`, built as the layer-parallel
-ResNet's :mod:`mgrit.nn.bridge`), and each backward is agreed over the ranks first
-(:func:`mgrit.nn.agreement.agree_backward`).
+that owns everything its backward needs (:mod:`mgrit.nn.gru.bridge`, built as the layer-parallel
+ResNet's :mod:`mgrit.nn.resnet.bridge`), and each backward is agreed over the ranks first
+(:func:`mgrit.nn.chains.agreement.agree_backward`).
 
 Measured (float64, batch 8, input 4, hidden 16, N = 512, default init, 1 rank): residual
 convergence factors, coarse ``"power"`` vs ``"implicit"``: m = 4, 2 levels, FCF 0.023 vs 0.067;
@@ -36,12 +36,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence
 
-from ..comm import raise_agreed
-from ..grid import Partition
-from ..options import MGRITOptions
-from ..solver import MGRIT
-from .gru_bridge import GRUFunction
-from .gru_chains import COARSE_PROPAGATORS, GRUChain
+from ...comm import raise_agreed
+from ...grid import Partition
+from ...options import MGRITOptions
+from ...solver import MGRIT
+from .bridge import GRUFunction
+from .chains import COARSE_PROPAGATORS, GRUChain
 
 __all__ = ["ParallelGRU"]
 
@@ -64,7 +64,7 @@ class ParallelGRU(nn.Module):
             never replace them.
         bias: learnable ``bias_ih``/``bias_hh`` (default True), as ``nn.GRUCell``.
         coarse: coarse propagator, ``"power"`` (default) or ``"implicit"``
-            (:mod:`mgrit.nn.gru_chains`).
+            (:mod:`mgrit.nn.gru.chains`).
 
     Parameters ``weight_ih (3H, I)``, ``weight_hh (3H, H)``, ``bias_ih (3H)``, ``bias_hh (3H)``
     have ``nn.GRUCell``'s names, shapes, gate order (r, z, n) and default initialization

@@ -8,7 +8,7 @@ backward unless ``retain_graph``, version-checked like every saved tensor, offlo
 recomputed under saved-tensor hooks and ``torch.utils.checkpoint``); the forward's number and
 the stacked names and the layer-to-parameter map are attributes of ``ctx``.
 
-Contract of the stacked-parameter snapshot (:mod:`mgrit.nn.contract`): the snapshot is stacked
+Contract of the stacked-parameter snapshot (:mod:`mgrit.nn.chains.contract`): the snapshot is stacked
 at the forward from the layers' *current* parameters and buffers (the fingerprint checked at the
 start of the forward rebuilds the stacked lists after a replacement), and the backward checks
 the fingerprint again: a step module whose parameters, buffers or submodules were replaced
@@ -21,7 +21,7 @@ same nodes in the same order. The autograd engine runs, among ready nodes, the o
 (highest sequence number), and a node is ready only when every node built from its output has
 run; so of two forward nodes that one backward reaches, the later one always runs first, on
 every rank, whatever the rank-local parts of the graph look like. What the engine cannot see --
-ranks backpropagating *different* forwards -- :func:`mgrit.nn.agreement.agree_backward` turns
+ranks backpropagating *different* forwards -- :func:`mgrit.nn.chains.agreement.agree_backward` turns
 into a RuntimeError on every rank (one small ``allgather`` per backward, skipped on one rank).
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ from contextlib import nullcontext
 
 import torch
 
-from .agreement import agree_backward, saved_or_error
-from .batchnorm import frozen_statistics, replica_comm, replicas_agree
-from .chains import AdjointChain
-from .contract import hooks_suspended
+from ..chains.agreement import agree_backward, saved_or_error
+from ..chains.contract import hooks_suspended
+from ..chains.propagators import AdjointChain
+from ..steps.batchnorm import frozen_statistics, replica_comm, replicas_agree
 
 __all__ = ["MGRITFunction", "node_backward", "version_error", "changed_error"]
 
@@ -44,7 +44,7 @@ _version = operator.attrgetter("_version")
 
 def changed_error(model, epoch: int) -> str | None:
     """The message when ``model``'s step modules changed (the fingerprint of
-    :mod:`mgrit.nn.contract`, checked here too) since the forward that ran with ``epoch``."""
+    :mod:`mgrit.nn.chains.contract`, checked here too) since the forward that ran with ``epoch``."""
     model._check_contract()
     if model._fingerprint.epoch == epoch:
         return None

@@ -39,7 +39,7 @@ Refused (ValueError naming the layer, at construction and ``refresh_structure``)
 synchronized by ``ReplicaSync``) and uninitialized ``LazyBatchNorm*d`` (run it once first).
 Every ``momentum`` (``None`` included), ``affine`` and ``track_running_stats`` setting is
 honoured. A step with BatchNorm is evaluated layer by layer (never stacked,
-:mod:`mgrit.nn.stacking`).
+:mod:`mgrit.nn.chains.stacking`).
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ..options import MGRITOptions
-from ..solver import MGRIT
-from .chains import ForwardChain
+from ...options import MGRITOptions
+from ...solver import MGRIT
+from ..chains.propagators import ForwardChain
 
 __all__ = ["SolverControls"]
 
@@ -51,7 +51,7 @@ class SolverControls:
     def n_levels(self) -> tuple[int, int]:
         """``(forward, adjoint)`` number of MGRIT levels on this rank's hierarchies (the same
         on every rank). ``(1, 1)``: training runs the one-level exact path
-        (:mod:`mgrit.nn.pipelined`); a forward under ``torch.no_grad()`` does whenever the
+        (:mod:`mgrit.nn.resnet.pipelined`); a forward under ``torch.no_grad()`` does whenever the
         first entry is 1."""
         return self._fsolver.hierarchy.n_levels, self._bsolver.hierarchy.n_levels
 
@@ -118,7 +118,7 @@ class SolverControls:
     @property
     def phase_hook(self) -> Callable | None:
         """``hook(name)`` -> a context manager around the one-level exact path's work
-        (:mod:`mgrit.nn.pipelined`), ``name`` ``"pipelined forward"`` (the forward sweep of
+        (:mod:`mgrit.nn.resnet.pipelined`), ``name`` ``"pipelined forward"`` (the forward sweep of
         this rank's layers and its messages) or ``"pipelined adjoint"`` (the backward's checks,
         agreement and gradient messages); default ``None``. The training runtime sets it to
         :class:`mgrit.training.faults.phase`, so that a failure there names its phase."""

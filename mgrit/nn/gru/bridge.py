@@ -2,13 +2,13 @@
 node, whose backward is an adjoint MGRIT solve over the reversed time chain followed by the
 local vector-Jacobian products and one ``Allreduce`` of the parameter gradients (Moon & Cyr,
 ICLR 2022; the bridge after TorchBraid's ``braid_function.py``, as
-:class:`mgrit.nn.bridge.MGRITFunction` for the layer-parallel ResNet).
+:class:`mgrit.nn.resnet.bridge.MGRITFunction` for the layer-parallel ResNet).
 
 What a backward needs from its forward belongs to that forward's node, never to the module:
 the forward states and input projections are saved tensors, together with the weights the
 backward reads (see :class:`GRUFunction`); the forward's number and input shape are attributes
 of ``ctx``. The module keeps only the warm start (an initial guess; no gradient depends on it).
-Before each adjoint solve :func:`mgrit.nn.agreement.agree_backward` checks, over the time
+Before each adjoint solve :func:`mgrit.nn.chains.agreement.agree_backward` checks, over the time
 communicator, that every rank backpropagates the same forward and that no rank failed its
 checks, and merges what the ranks need.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .agreement import agree_backward, saved_or_error
-from .gru_chains import GRUAdjointChain, GRUChain
+from ..chains.agreement import agree_backward, saved_or_error
+from .chains import GRUAdjointChain, GRUChain
 
 __all__ = ["GRUFunction"]
 

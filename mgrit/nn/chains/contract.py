@@ -5,7 +5,7 @@ A fast path is an optimization of a general path that is always correct. Each on
 what it assumes about the step modules (its *contract*); :class:`Fingerprint` records the facts
 those contracts depend on when the chain is built and compares them with the modules on every
 forward (and at every MGRIT backward); when they differ the fast paths are rebuilt -- the
-batching proof re-run (:func:`mgrit.nn.stacking.batching_obstacle`), the stacked parameters
+batching proof re-run (:func:`mgrit.nn.chains.stacking.batching_obstacle`), the stacked parameters
 re-collected -- or the general path is taken. Nothing is decided once and trusted until the
 user calls ``refresh_structure()``.
 
@@ -13,23 +13,23 @@ The fast paths and their contracts:
 
 * **Native kernels** (``forward_batched``, ``forward_layer``, ``vjp_batched`` /
   ``linearize_batched`` / ``closed_form_vjp``, ``stack_extras``; :mod:`mgrit.nn.steps`,
-  :mod:`mgrit.nn.transformer`): a kernel is run only for a module whose class defines it *at
+  :mod:`mgrit.nn.steps.transformer`): a kernel is run only for a module whose class defines it *at
   or below* the class that defines ``forward`` (:func:`kernel`): a subclass of ``DenseStep``
   that overrides ``forward`` does not inherit the parent's kernels (it gets the general
   batched path, ``vmap`` of ``functional_call``, which calls its own ``forward``; else one call
   per layer). An instance attribute named ``forward`` or a class that overrides ``__call__``
   also disables every kernel. The class's ``kernel_obstacle()`` states what else its kernels
   assume (e.g. ``DenseStep``: ``linear`` is exactly an ``nn.Linear`` with a bias).
-* **Batched evaluation** (``Stacked``, :mod:`mgrit.nn.stacking`): the layers differ only in
+* **Batched evaluation** (``Stacked``, :mod:`mgrit.nn.chains.stacking`): the layers differ only in
   parameter and buffer values (the batching proof); no module hooks; see that module.
-* **The stacked-parameter snapshot** (:mod:`mgrit.nn.bridge`): the stacked tensors are the
+* **The stacked-parameter snapshot** (:mod:`mgrit.nn.resnet.bridge`): the stacked tensors are the
   layers' current parameters and buffers (identity), with one dtype and device per name.
 * **MGRIT itself** (:class:`~mgrit.nn.resnet.LayerParallelResNet`): a step's forward is a
   pure function of its input and tensors, evaluated any number of times per forward solve.
   Module hooks (forward, pre-forward, backward, on any submodule of a step, or registered
   globally) would fire on intermediate iterates, and ``torch.autocast`` changes what a layer
   computes in ways the adjoint solve does not reproduce: under either, the forward runs the
-  serial pipeline across the ranks (:mod:`mgrit.nn.pipelined`) -- serial PyTorch's autograd of
+  serial pipeline across the ranks (:mod:`mgrit.nn.resnet.pipelined`) -- serial PyTorch's autograd of
   the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
   in serial) and autocast has serial semantics, also in the backward.
 
@@ -47,7 +47,7 @@ compares identities entry by entry only when it moved. Copies and pickles of the
 plain dicts. dtypes and devices are not read per tensor (an attribute of a ``Parameter`` costs
 microseconds): the stacked snapshot compares the dtype and device of each stacked name with the
 template's at every forward (``torch.stack`` would promote a changed layer), and a mismatch
-rebuilds the chain (:meth:`mgrit.nn.stacking.Stacked.refresh`); per-layer module calls use the
+rebuilds the chain (:meth:`mgrit.nn.chains.stacking.Stacked.refresh`); per-layer module calls use the
 tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is stacked
 with autograd at every forward, so a frozen or unfrozen parameter is seen by the next forward;
 grad mode is read at every call by the kernels that depend on it. Native kernels do not read

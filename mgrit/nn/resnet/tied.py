@@ -28,7 +28,7 @@ rank needs nothing: autograd sums the layers' contributions as in serial PyTorch
   holder the full serial gradient. So ``.grad`` after ``loss.backward()`` is the serial
   gradient on every holder, in a plain loop as in the ``Trainer``: no extra call, and equal
   optimizer steps keep the replicas identical (the reduced buffer is the same on every rank).
-  On the MGRIT path this happens in :func:`mgrit.nn.bridge.node_backward` (per-parameter
+  On the MGRIT path this happens in :func:`mgrit.nn.resnet.bridge.node_backward` (per-parameter
   gradients, or the stacked gradients of the batched path, where the group's total goes to
   the group's first local row and zeros to its other rows, so that ``torch.stack``'s backward
   sums it once); on the one-level pipelined path in :class:`TiedSync`, an autograd node

@@ -16,7 +16,7 @@ import torch
 
 from mpi4py import MPI
 
-from ..collective import agreed, allgather_within, guarded
+from ...collective import agreed, allgather_within, guarded
 
 __all__ = ["agree_backward", "saved_or_error"]
 

@@ -11,7 +11,7 @@ so a stack of blocks is the chain ``x_{k+1} = x_k + h F_k(x_k)`` that
 pre-LN block ``y = x + a; out = y + MLP(LN2(y))`` with ``a = Attn(LN1(x))``.
 :class:`TransformerStep` is ``F``; its :meth:`~TransformerStep.forward_batched` applies ``B``
 layers at once for the solver's concurrent relaxation (``mgrit.nn.chains``). Contract of that
-kernel (:mod:`mgrit.nn.contract`): it runs only for ``TransformerStep`` itself or a subclass
+kernel (:mod:`mgrit.nn.chains.contract`): it runs only for ``TransformerStep`` itself or a subclass
 that does not override ``forward``, with the submodules :meth:`~TransformerStep.kernel_obstacle`
 names; otherwise the layers are batched by ``vmap`` of their own ``forward`` (or called one by
 one).
@@ -93,11 +93,11 @@ class TransformerStep(nn.Module):
         dropout: dropout probability in ``[0, 1)`` (default 0.0: none) at the standard places
             of a ViT / GPT-2 block: the attention probabilities, the attention branch after
             ``proj``, the MLP's hidden activations and the MLP branch after ``fc2``
-            (:class:`mgrit.nn.stochastic.Dropout`: inside a layer-parallel segment one mask per
+            (:class:`mgrit.nn.steps.Dropout`: inside a layer-parallel segment one mask per
             training forward and layer, the same in every MGRIT sweep and the adjoint).
         drop_path: stochastic depth in ``[0, 1)`` (default 0.0): each branch (``phi1``,
             ``phi2``) is dropped per sample with this probability
-            (:class:`mgrit.nn.stochastic.DropPath`, timm's placement). With ``h = 1`` and both
+            (:class:`mgrit.nn.steps.DropPath`, timm's placement). With ``h = 1`` and both
             options the block equals timm's ``Block(x) = y + DP(MLP(LN2 y))``, ``y = x +
             DP(Attn(LN1 x))``. With either > 0 the layers are evaluated one by one (no batched
             kernel); with both 0 the module tree is the one without dropout.
@@ -120,7 +120,7 @@ class TransformerStep(nn.Module):
     #: Kernel of :meth:`forward_batched`'s projections, a key of :data:`LINEAR_KERNELS`
     #: (``"baddbmm"``, ``"bmm"`` = bmm then an in-place bias add, ``"einsum"``); all give the
     #: same values to round-off. Set it on the class, or to the same value on every layer
-    #: (``mgrit.nn.stacking`` batches only layers whose attributes are equal).
+    #: (``mgrit.nn.chains.stacking`` batches only layers whose attributes are equal).
     linear_kernel = "baddbmm"
     #: :meth:`forward_batched` applies the layers in groups whose largest intermediate
     #: (``group * batch * tokens * max(3 d_model, d_ff)`` elements) stays within this many
@@ -215,7 +215,7 @@ class TransformerStep(nn.Module):
         """Why :meth:`forward_batched` does not compute this module's ``forward`` (a message),
         else ``None``: it assumes ``qkv``, ``proj``, ``fc1``, ``fc2`` are exactly ``nn.Linear``
         with a bias and ``norm1``, ``norm2`` exactly ``nn.LayerNorm(d_model)`` with weight and
-        bias. Read by :func:`mgrit.nn.contract.kernel`, which also refuses the kernel to a
+        bias. Read by :func:`mgrit.nn.chains.contract.kernel`, which also refuses the kernel to a
         subclass that overrides ``forward`` (it then gets ``vmap`` of its own ``forward``)."""
         for name in ("qkv", "proj", "fc1", "fc2"):
             m = getattr(self, name)

@@ -27,12 +27,12 @@ the snapshot and of ``act'(z)`` (made once per adjoint solve) instead of gatheri
 multilevel adjoint solves (``closed_single``) the single adjoint steps are closed-form too.
 
 Batching never changes a result: a rank's layers are stacked only when
-:func:`~mgrit.nn.stacking.batching_obstacle` proves, when the chain is built and again whenever
-the owner's per-call fingerprint (:mod:`mgrit.nn.contract`) sees the modules change, that they
+:func:`~mgrit.nn.chains.stacking.batching_obstacle` proves, when the chain is built and again whenever
+the owner's per-call fingerprint (:mod:`mgrit.nn.chains.contract`) sees the modules change, that they
 differ in nothing but parameter and buffer values (private attributes, tensor attributes,
-closures and hooks included; the full contract is in :mod:`mgrit.nn.stacking`); otherwise every
+closures and hooks included; the full contract is in :mod:`mgrit.nn.chains.stacking`); otherwise every
 layer is evaluated with its own module. A native kernel (``forward_batched``,
-``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.contract.kernel` allows it:
+``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.chains.contract.kernel` allows it:
 never one inherited from a class whose ``forward`` is not the one the module calls.
 A module contributed by a user may provide
 ``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
@@ -40,7 +40,7 @@ A module contributed by a user may provide
 shape of ``x`` and row ``b`` must equal ``module_b(x[b])``. Optional, for speed:
 ``forward_layer(p, j, x)`` (row ``j`` of ``p`` applied to ``x``, equal to ``module_j(x)``) and
 ``stack_extras(p)`` (derived constants added to each snapshot, see
-:meth:`~mgrit.nn.stacking.Stacked.refresh`).
+:meth:`~mgrit.nn.chains.stacking.Stacked.refresh`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..propagator import Propagator
+from ...propagator import Propagator
 from .compiled import plain_module
 from .contract import global_hooks_registered, kernel
 from .stacking import Stacked, StaleStack
@@ -83,7 +83,7 @@ class ForwardChain(Propagator):
     def rebuild(self, steps: Sequence[nn.Module] | None = None) -> None:
         """Re-run the batching proof and re-collect the stacked tensors (after a module's
         structure or non-parameter state changed, or ``.to()`` replaced its buffers; the
-        owner's per-call fingerprint, :mod:`mgrit.nn.contract`, calls it). ``steps``: the
+        owner's per-call fingerprint, :mod:`mgrit.nn.chains.contract`, calls it). ``steps``: the
         rank's step modules now (default: the same modules as before)."""
         if steps is not None:
             self.steps = list(steps)

@@ -2,7 +2,7 @@
 
 ``x_{k+1} = x_k + h F_k(x_k)``, ``k = 0..N-1``, ``h = T / N``; each rank of the layer
 communicator holds a contiguous block of layers (:class:`mgrit.grid.Partition`). Autograd
-bridge after TorchBraid's ``braid_function.py`` (:mod:`mgrit.nn.bridge`): each forward is one
+bridge after TorchBraid's ``braid_function.py`` (:mod:`mgrit.nn.resnet.bridge`): each forward is one
 autograd node whose forward is an MGRIT solve and whose backward is an MGRIT solve of the
 adjoint chain (Guenther et al. 2020, SIMODS) followed by one parallel sweep of parameter
 vector-Jacobian products, so optimizers see ordinary ``.grad`` on every rank.
@@ -16,12 +16,12 @@ forward, the backward chain swept serially across ranks (a one-level adjoint sol
 
 When both solves have one level (``max_levels=1``), there is nothing for MGRIT to do: the
 forward records the rank's layers in autograd as serial PyTorch does, pipelined across the
-ranks (:mod:`mgrit.nn.pipelined`; same autograd semantics, bitwise serial autograd on one
+ranks (:mod:`mgrit.nn.resnet.pipelined`; same autograd semantics, bitwise serial autograd on one
 rank). With a batched chain the node's parameter inputs are the stacked parameters
 (``torch.stack`` with autograd): no Python work per parameter tensor in the bridge.
 
 The step modules stay ordinary modules after build. Every forward (and every MGRIT backward)
-checks the fingerprint of :mod:`mgrit.nn.contract` and rebuilds the fast paths when the modules
+checks the fingerprint of :mod:`mgrit.nn.chains.contract` and rebuilds the fast paths when the modules
 changed (parameters replaced, submodules swapped, ...), so a user never has to announce a
 change. Module hooks on the steps (or global module hooks) and ``torch.autocast`` make the
 forward take the serial pipeline of the one-level path whatever the options (a
@@ -30,44 +30,42 @@ values used as in serial, and autocast has serial semantics in the backward too 
 run each layer many times on intermediate iterates and its adjoint outside autocast. The
 decision is agreed by every rank (one ``Allreduce`` of an int per forward when ``P > 1`` and the
 solve has several levels). State-dict keys do not depend on ``torch.compile`` of steps
-(:mod:`mgrit.nn.compiled`).
+(:mod:`mgrit.nn.chains.compiled`).
+
+The class's other parts are mixins of the same room: the structure checks and the fast paths'
+upkeep (:mod:`mgrit.nn.resnet.structure`), the global views (:mod:`mgrit.nn.resnet.global_view`)
+and the solver accessors (:mod:`mgrit.nn.resnet.controls`).
 """
 from __future__ import annotations
 
-import array
-import copy
 import math
-import warnings
 from typing import Callable, Hashable, Sequence
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..collective import guarded
-from ..comm import raise_agreed
-from ..grid import Partition
-from ..options import MGRITOptions
-from ..solver import MGRIT
-from . import batchnorm, stochastic
+from ...collective import guarded
+from ...comm import raise_agreed
+from ...grid import Partition
+from ...options import MGRITOptions
+from ...solver import MGRIT
+from ..chains.compiled import compile_neutral_keys
+from ..chains.contract import Fingerprint
+from ..chains.propagators import ForwardChain
+from ..steps import batchnorm, stochastic
 from .bridge import MGRITFunction
-from .chains import ForwardChain
-from .compiled import compile_neutral_keys, plain_module
-from .contract import Fingerprint, autocast_enabled, global_hooks_registered
 from .controls import SolverControls
+from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
-from .seeding import layer_seed, make_layers, serial_resnet
-from .steps import ResidualStep
-from .tied import TiedLayers, tie_groups
+from .seeding import make_layers
+from .structure import StepStructure
+from .tied import tie_groups
 
-__all__ = ["LayerParallelResNet", "serial_resnet", "layer_seed"]
-
-#: why a forward runs the serial pipeline (index: agreed code, the largest of every rank's)
-_SERIAL_REASONS = (None, "torch.autocast is active",
-                   "module hooks are registered on the step modules (or globally)")
+__all__ = ["LayerParallelResNet"]
 
 
-class LayerParallelResNet(SolverControls, nn.Module):
+class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
     """This rank's block of a forward-Euler ResNet, solved layer-parallel by MGRIT.
 
     Args:
@@ -75,8 +73,8 @@ class LayerParallelResNet(SolverControls, nn.Module):
             (see :meth:`build`, which creates them for the default partition). Each maps a
             state ``(batch, *state_shape)`` to the same shape. BatchNorm: batch statistics in
             every application, running statistics once per training forward from the final
-            states (:mod:`mgrit.nn.batchnorm`). Dropout: :class:`mgrit.nn.stochastic.Dropout`
-            / ``DropPath``, one mask per training forward and layer (:mod:`mgrit.nn.stochastic`);
+            states (:mod:`mgrit.nn.steps.batchnorm`). Dropout: :class:`mgrit.nn.steps.Dropout`
+            / ``DropPath``, one mask per training forward and layer (:mod:`mgrit.nn.steps.stochastic`);
             torch's ``nn.Dropout*`` (a new mask at every application) raise ValueError.
             Layers may share parameters (the same ``Parameter`` object, e.g. one module for
             every layer) with ``P = 1``: gradients are summed as serial autograd sums them.
@@ -101,7 +99,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             (Guenther et al.'s simultaneous training warm-starts both directions; default
             False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
-        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.tied`): ``None`` (default:
+        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.resnet.tied`): ``None`` (default:
             none), a function of the **global** layer index ``k -> group key`` or a sequence
             of ``N`` keys (``None``: untied). ``tie=lambda k: 0``: every layer uses one module
             (a time-invariant ODE network, ALBERT); ``tie=lambda k: k // 4``: groups of four
@@ -134,7 +132,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
         last_forward: the :class:`~mgrit.solver.MGRITResult` of the latest forward solve
             (residual history, stats; diagnostics only); ``last_backward``: of the adjoint.
         batching_obstacle: why this rank's layers are evaluated one by one (``None`` when
-            batched; see :mod:`mgrit.nn.stacking`).
+            batched; see :mod:`mgrit.nn.chains.stacking`).
     """
 
     def __init__(self, steps: Sequence[nn.Module], n_layers: int, state_shape: Sequence[int],
@@ -250,135 +248,6 @@ class LayerParallelResNet(SolverControls, nn.Module):
                 f"make_step, declare the sharing with tie=..., or use P = 1"))
         return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
 
-    # -- structure of the step modules ----------------------------------------------------
-    def _structure_error(self) -> str | None:
-        """This rank's unsupported modules and parameters shared across layers (a message).
-        Also collects the BatchNorms and numbers the Dropout/DropPath modules of the steps."""
-        self._bns = batchnorm.batch_norms(self.steps)
-        error = (stochastic.plain_dropout_error(self.steps, self.first)
-                 or batchnorm.batchnorm_error(self.steps, self.first)
-                 or stochastic.attach(self.steps, self.first, self._noise)[1])
-        if error:
-            return error
-        if self._groups is not None:
-            return TiedLayers(self._groups, self.steps, self.first, self.partition,
-                              self.comm).structure_error(self.steps)
-        if self.comm.Get_size() > 1:
-            owner = {}
-            for k, s in enumerate(self.steps):
-                for name, p in s.named_parameters():
-                    j, first_name = owner.setdefault(id(p), (k, name))
-                    if j != k:
-                        return (f"layers {self.first + j} and {self.first + k} share the "
-                                f"parameter {first_name!r} (the same Parameter object): "
-                                f"parameters shared between layers are supported on one layer "
-                                f"rank only, unless declared with tie=... (with P = "
-                                f"{self.comm.Get_size()} every rank holds a copy, which tie "
-                                f"keeps identical); declare it with tie, give each layer its "
-                                f"own parameters or use P = 1")
-        return None
-
-    def _setup_ties(self) -> None:
-        """The tie groups' replicas and gradient layout (collective; see :mod:`.tied`)."""
-        if self._groups is None:
-            self._tied = None
-            return
-        self._tied = TiedLayers(self._groups, self.steps, self.first, self.partition, self.comm)
-        self._tied.setup()
-
-    def check_tied_replicas(self) -> None:
-        """Raise ``ValueError`` on every rank if the replicas of a weight-tied group (``tie``)
-        are not bitwise identical across the layer ranks (collective: one ``allgather``;
-        nothing to do without ties spanning ranks)."""
-        if self._tied is not None and self._tied.spanning:
-            error = self._tied.replica_error()  # from one allgather: the same on every rank
-            if error:
-                raise ValueError(error)
-
-    def _collect_parameters(self) -> None:
-        """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
-        its index among them (tied parameters: several layers point to one index); the
-        parameters and buffers whose versions the one-level path checks (``_checked``)."""
-        self._params = list(self.steps.parameters())  # deduplicated: shared ones once
-        index = {id(p): i for i, p in enumerate(self._params)}
-        self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
-        self._checked = self._params + batchnorm.checked_buffers(self.steps)
-
-    def _checked_names(self) -> list:
-        """Names of :attr:`_checked` for error messages (global layer index and name)."""
-        names = {}
-        for j, s in enumerate(self.steps):
-            for n, t in s.named_parameters():
-                names.setdefault(id(t), f"parameter {n!r} of layer {self.first + j}")
-            for n, t in s.named_buffers():
-                names.setdefault(id(t), f"buffer {n!r} of layer {self.first + j}")
-        return [names.get(id(t), "a tensor of this rank's layers") for t in self._checked]
-
-    def refresh_structure(self) -> None:
-        """Re-read the step modules now. Rarely needed: every forward compares a fingerprint
-        of the step modules (:mod:`mgrit.nn.contract`: parameters, buffers and submodules
-        replaced or added, dtypes, devices, ``training``, hooks) with the one its fast paths
-        were built from and rebuilds them when it changed. Still useful after assigning a plain
-        Python attribute of a step (``step._c = 2.0``; not in the fingerprint) and to re-check
-        unsupported modules and parameters shared across layers (a ValueError on every rank).
-        Collective over the layer communicator."""
-        raise_agreed(self.comm, self._structure_error())
-        self._setup_ties()
-        self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
-        self._restructure()
-
-    def _restructure(self) -> None:
-        """Rebuild what was derived from the step modules: the parameter lists, the batched
-        chain (batching proof, stacked tensors), the tie groups' parameter references and the
-        fingerprint. Local (no message)."""
-        self._collect_parameters()
-        if self._tied is not None and self._params:
-            self._tied.rebind(self.steps, self._params[0].dtype, self._params[0].device)
-        self._chain.rebuild(self.steps)
-        self._fingerprint.take(training=self._reads_training())
-
-    def _reads_training(self) -> bool:
-        """Whether the fast path in use applies one module's ``training`` flags to other
-        layers (the batched ``vmap`` path calls the template's modules)."""
-        stack = self._chain._stack
-        return stack is not None and not stack._native
-
-    def _check_contract(self) -> None:
-        """The per-call check of :mod:`mgrit.nn.contract`: rebuild the fast paths when the
-        step modules changed since they were built."""
-        if not self._fingerprint.same():
-            self._restructure()
-
-    def _serial_reason(self) -> str | None:
-        """Why this forward must run the serial pipeline instead of MGRIT (hooks on the steps
-        or global module hooks; autocast), agreed by every rank (when
-        ``P > 1``: an ``Allreduce`` of one int), or ``None``."""
-        code = 2 if self._fingerprint.hooked() else 1 if autocast_enabled(self.device) else 0
-        if self.comm.Get_size() > 1:  # the most serious reason of any rank, on every rank
-            buf = array.array("i", [code])
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-            code = buf[0]
-        reason = _SERIAL_REASONS[code]
-        if reason:
-            why = ("hooks fire once per layer on the serial states" if "hook" in reason else
-                   "autocast has serial semantics in the forward and the backward")
-            warnings.warn(f"LayerParallelResNet: {reason}: this forward runs the layers one after "
-                          f"the other (the serial pipeline across the ranks), so that {why}, as "
-                          f"in serial PyTorch, instead of the MGRIT solve (no layer parallelism "
-                          f"while this lasts)", stacklevel=3)
-        return reason
-
-    @property
-    def batching_obstacle(self) -> str | None:
-        self._check_contract()
-        if global_hooks_registered():
-            return "global module hooks are registered"
-        if self._fingerprint.hooked():
-            return "module hooks are registered on the step modules"
-        if self._chain.batched:
-            return None
-        return self._chain.batching_obstacle or "global module hooks are registered"
-
     # -- autograd bridge ----------------------------------------------------------------
     def forward(self, x0: torch.Tensor | None = None, batch_size: int | None = None) -> torch.Tensor:
         """MGRIT solve of all states.
@@ -397,7 +266,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             rank takes part in the backward.
 
         In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
-        default generator first (on every rank; :mod:`mgrit.nn.stochastic`).
+        default generator first (on every rank; :mod:`mgrit.nn.steps.stochastic`).
         """
         seed = stochastic.draw_seed() if self._stochastic and self.training else None
         # an error on one rank only ends the job (mgrit.collective), whatever the launch line
@@ -417,7 +286,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
                                  "every rank, or use LayerParallelNet, which passes it")
             batch = int(batch_size)
         self._forward_count += 1
-        self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.contract)
+        self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.chains.contract)
         if one_level(self, torch.is_grad_enabled()) or self._serial_reason():
             return pipelined_forward(self, x0, batch)  # layer-wise model parallelism in autograd
         if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
@@ -448,7 +317,7 @@ class LayerParallelResNet(SolverControls, nn.Module):
             "a step drew random numbers from torch's default generator during the solve "
             "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
             "per forward, so it would be a different function in every sweep; use "
-            "mgrit.nn.stochastic.Dropout / DropPath modules")
+            "mgrit.nn.steps.Dropout / DropPath modules")
         self.last_forward = res
         if self.warm_start and update_warm:
             self._warm = res.states
@@ -472,61 +341,3 @@ class LayerParallelResNet(SolverControls, nn.Module):
             self._tied.rebind(self.steps, self.dtype, self.device)
         self._warm = self._warm_adj = None
         return self
-
-    # -- utilities ----------------------------------------------------------------------
-    def to_serial(self) -> nn.Sequential:
-        """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
-        the current weights (shared parameters stay shared), on every rank (collective;
-        usable without MPI afterwards)."""
-        pieces = self.comm.allgather([(self.first + j, plain_module(s))
-                                      for j, s in enumerate(self.steps)])
-        layers = dict(sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0]))
-        for k, k0 in self.tied_sources().items():  # one module per tie group, as in serial
-            layers[k] = layers[k0]
-        copies = copy.deepcopy(list(layers.values()))  # one memo: ties are kept
-        layers = [ResidualStep(s, self.h) for s in copies]
-        stochastic.seed_serial(layers)  # Dropout/DropPath: the same masks from the same seed
-        return nn.Sequential(*layers)
-
-    def tied_sources(self) -> dict:
-        """``{k: k0}`` for every tied layer ``k`` that is not its group's first layer ``k0``
-        (global; empty without ``tie``)."""
-        if self._groups is None:
-            return {}
-        first = {}
-        for k, g in enumerate(self._groups):
-            if g is not None:
-                first.setdefault(g, k)
-        return {k: first[g] for k, g in enumerate(self._groups)
-                if g is not None and first[g] != k}
-
-    def gather_state_dict(self, root: int = 0) -> dict | None:
-        """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective).
-        Tied layers' keys map to one tensor object (their group's first layer's)."""
-        local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
-                 for j, s in enumerate(self.steps) for n, t in plain_module(s).state_dict().items()}
-        parts = self.comm.gather(local, root=root)
-        if parts is None:
-            return None
-        state = {k: v for p in parts for k, v in p.items()}
-        for k, k0 in self.tied_sources().items():
-            for key in [x for x in state if x.startswith(f"{k}.")]:
-                state[key] = state[f"{k0}.{key[len(str(k)) + 1:]}"]
-        return state
-
-    def load_global_state_dict(self, state: dict | None, root: int = 0) -> None:
-        """Inverse of :meth:`gather_state_dict`: ``state`` on ``root`` is scattered and each
-        rank loads its layers (collective). Raises KeyError naming a missing layer; ValueError
-        (every rank) when weight-tied layers get different values."""
-        state = self.comm.bcast(state, root=root)
-        for k, k0 in self.tied_sources().items():  # the same verdict on every rank
-            for name in [x[len(str(k)) + 1:] for x in state if x.startswith(f"{k}.")]:
-                a, b = state[f"{k}.{name}"], state.get(f"{k0}.{name}")
-                if b is not None and a is not b and not torch.equal(a, b):
-                    raise ValueError(f"state entry '{k}.{name}' differs from '{k0}.{name}', but "
-                                     f"layers {k} and {k0} are weight-tied (one module): give "
-                                     f"every layer of a tie group the same values")
-        for j, s in enumerate(self.steps):
-            k, s = self.first + j, plain_module(s)
-            mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}
-            s.load_state_dict(mine)

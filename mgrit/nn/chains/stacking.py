@@ -7,7 +7,7 @@ layer's module (the template) with every layer's parameters and buffers, so it e
 per-layer calls only when the layers differ in nothing but those tensors.
 
 Contract (the batching proof, :func:`batching_obstacle`; run when a chain is built and again
-whenever the per-call fingerprint of :mod:`mgrit.nn.contract` sees the modules change):
+whenever the per-call fingerprint of :mod:`mgrit.nn.chains.contract` sees the modules change):
 
 * every step has the template's module tree: same submodule names and types;
 * the same parameter and buffer names, shapes, dtypes and devices at every submodule (values
@@ -20,17 +20,17 @@ whenever the per-call fingerprint of :mod:`mgrit.nn.contract` sees the modules c
 * the same ``training`` flag at every submodule;
 * no forward / backward / pre hooks on any submodule, and no global module hooks;
 * no submodule class sets ``batchable = False`` (the documented opt-out), and no BatchNorm
-  (:mod:`mgrit.nn.batchnorm` replaces its forward during solves).
+  (:mod:`mgrit.nn.steps.batchnorm` replaces its forward during solves).
 
 Otherwise the layers are evaluated one by one: slower, never different. Per-layer state that
 should stay batched belongs in a buffer (``register_buffer``): buffers are stacked per layer.
 
 The batched call is the module's own ``forward_batched`` only where
-:func:`mgrit.nn.contract.kernel` allows it (the class that defines the kernel is the class of
+:func:`mgrit.nn.chains.contract.kernel` allows it (the class that defines the kernel is the class of
 the ``forward`` being called, or below it; its ``kernel_obstacle()`` is ``None``); otherwise
 ``vmap`` of ``functional_call``, which calls the module's own ``forward``.
 
-What is checked when (:class:`mgrit.nn.contract.Fingerprint`, on every forward of a
+What is checked when (:class:`mgrit.nn.chains.contract.Fingerprint`, on every forward of a
 :class:`~mgrit.nn.resnet.LayerParallelResNet`): parameters, buffers and submodules replaced or
 added, dtypes and devices, ``training`` flags and hooks; any change re-runs this proof and
 re-collects the stacked tensors (``_lists``). Plain Python attributes assigned after build are
@@ -89,7 +89,7 @@ def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
         return f"{where}: {type(b).__name__} vs {type(a).__name__}"
     if getattr(b, "batchable", True) is False:
         return f"{where}: {type(b).__name__}.batchable is False"
-    if isinstance(b, _BatchNorm):  # statistics of each layer's own batch (mgrit.nn.batchnorm)
+    if isinstance(b, _BatchNorm):  # statistics of each layer's own batch (mgrit.nn.steps.batchnorm)
         return f"{where}: {type(b).__name__} is evaluated layer by layer"
     for m in (a, b):
         hooks = [h for h in _CALL_HOOKS if getattr(m, h, None)]
@@ -172,14 +172,14 @@ class Stacked:
         self._meta = [(t.dtype, t.device) for t in
                       [steps[0].get_parameter(n) for n in self.names]
                       + [steps[0].get_buffer(n) for n in self.bnames]]
-        # native kernels only where the contract allows them (mgrit.nn.contract.kernel)
+        # native kernels only where the contract allows them (mgrit.nn.chains.contract.kernel)
         self._native = kernel(self.template, "forward_batched") is not None
         self._extras = kernel(self.template, "stack_extras") if self._native else None
 
     @property
     def closed_form_vjp(self) -> bool:
         """The module has a closed-form batched VJP (DenseStep with a built-in activation)
-        that its contract allows (:func:`mgrit.nn.contract.kernel`): no autograd graph."""
+        that its contract allows (:func:`mgrit.nn.chains.contract.kernel`): no autograd graph."""
         t = self.template
         return bool(self._native and kernel(t, "closed_form_vjp")
                     and kernel(t, "vjp_batched") is not None

@@ -16,10 +16,10 @@ bit on one rank), between two small autograd nodes per forward:
 * :class:`_Exit` -- sends the rank's last state to the next rank (last rank: returns a copy of
   it as the output; elsewhere an empty placeholder). Its backward runs first on every rank
   (the engine runs a backward in reverse creation order) and makes, before any message, the
-  checks of the MGRIT node (:mod:`mgrit.nn.bridge`): the freed-graph check (its saved tensor),
+  checks of the MGRIT node (:mod:`mgrit.nn.resnet.bridge`): the freed-graph check (its saved tensor),
   refusal of double backward, the version of every parameter and buffer of the rank's layers
   (an in-place change after the forward raises autograd's "modified by an inplace operation"
-  on every rank, never a hang), and :func:`~mgrit.nn.agreement.agree_backward`; then it receives
+  on every rank, never a hang), and :func:`~mgrit.nn.chains.agreement.agree_backward`; then it receives
   the gradient of the last state from the next rank.
 
 A training step therefore costs what serial autograd of the rank's layers costs, plus one
@@ -51,13 +51,13 @@ import time
 import torch
 from torch.func import functional_call
 
-from ..collective import collective_timeout, guarded
-from ..comm import Exchanger
-from ..solver import MGRITResult
-from ..stats import SolverStats
-from .agreement import agree_backward, saved_or_error
+from ...collective import collective_timeout, guarded
+from ...comm import Exchanger
+from ...solver import MGRITResult
+from ...stats import SolverStats
+from ..chains.agreement import agree_backward, saved_or_error
 from .bridge import _WHAT, _version, version_error
-from .compiled import _is_compiled
+from ..chains.compiled import _is_compiled
 from .tied import TiedSync
 
 __all__ = ["one_level", "pipelined_forward"]

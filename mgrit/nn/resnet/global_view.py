@@ -1,0 +1,79 @@
+"""The network of a :class:`~mgrit.nn.resnet.LayerParallelResNet` seen as a whole from every
+rank: the equivalent serial ``nn.Sequential`` (``to_serial``), the weight-tie sources, and the
+global state dict (``gather_state_dict`` / ``load_global_state_dict``, keys ``"{k}.{name}"``
+for global layer ``k``). Every method is collective over the layer communicator except
+``tied_sources``. A mixin: the ResNet owns ``steps``, ``first``, ``h``, ``comm`` and ``_groups``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..chains.compiled import plain_module
+from ..steps import stochastic
+from ..steps.basic import ResidualStep
+
+__all__ = ["GlobalView"]
+
+
+class GlobalView:
+    """The global views of a :class:`~mgrit.nn.LayerParallelResNet` (see there)."""
+
+    def to_serial(self) -> nn.Sequential:
+        """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
+        the current weights (shared parameters stay shared), on every rank (collective;
+        usable without MPI afterwards)."""
+        pieces = self.comm.allgather([(self.first + j, plain_module(s))
+                                      for j, s in enumerate(self.steps)])
+        layers = dict(sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0]))
+        for k, k0 in self.tied_sources().items():  # one module per tie group, as in serial
+            layers[k] = layers[k0]
+        copies = copy.deepcopy(list(layers.values()))  # one memo: ties are kept
+        layers = [ResidualStep(s, self.h) for s in copies]
+        stochastic.seed_serial(layers)  # Dropout/DropPath: the same masks from the same seed
+        return nn.Sequential(*layers)
+
+    def tied_sources(self) -> dict:
+        """``{k: k0}`` for every tied layer ``k`` that is not its group's first layer ``k0``
+        (global; empty without ``tie``)."""
+        if self._groups is None:
+            return {}
+        first = {}
+        for k, g in enumerate(self._groups):
+            if g is not None:
+                first.setdefault(g, k)
+        return {k: first[g] for k, g in enumerate(self._groups)
+                if g is not None and first[g] != k}
+
+    def gather_state_dict(self, root: int = 0) -> dict | None:
+        """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective).
+        Tied layers' keys map to one tensor object (their group's first layer's)."""
+        local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
+                 for j, s in enumerate(self.steps) for n, t in plain_module(s).state_dict().items()}
+        parts = self.comm.gather(local, root=root)
+        if parts is None:
+            return None
+        state = {k: v for p in parts for k, v in p.items()}
+        for k, k0 in self.tied_sources().items():
+            for key in [x for x in state if x.startswith(f"{k}.")]:
+                state[key] = state[f"{k0}.{key[len(str(k)) + 1:]}"]
+        return state
+
+    def load_global_state_dict(self, state: dict | None, root: int = 0) -> None:
+        """Inverse of :meth:`gather_state_dict`: ``state`` on ``root`` is scattered and each
+        rank loads its layers (collective). Raises KeyError naming a missing layer; ValueError
+        (every rank) when weight-tied layers get different values."""
+        state = self.comm.bcast(state, root=root)
+        for k, k0 in self.tied_sources().items():  # the same verdict on every rank
+            for name in [x[len(str(k)) + 1:] for x in state if x.startswith(f"{k}.")]:
+                a, b = state[f"{k}.{name}"], state.get(f"{k0}.{name}")
+                if b is not None and a is not b and not torch.equal(a, b):
+                    raise ValueError(f"state entry '{k}.{name}' differs from '{k0}.{name}', but "
+                                     f"layers {k} and {k0} are weight-tied (one module): give "
+                                     f"every layer of a tie group the same values")
+        for j, s in enumerate(self.steps):
+            k, s = self.first + j, plain_module(s)
+            mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}
+            s.load_state_dict(mine)

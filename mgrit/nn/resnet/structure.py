@@ -1,0 +1,161 @@
+"""The structure of a :class:`~mgrit.nn.resnet.LayerParallelResNet`'s step modules: the checks
+made at construction and by ``refresh_structure`` (unsupported modules, parameters shared across
+layers, weight-tie groups), the parameter lists derived from the modules, the per-call check of
+the fast paths' contract (:mod:`mgrit.nn.chains.contract`: rebuild when the modules changed),
+and the agreed decision to run a forward as the serial pipeline (module hooks, autocast).
+
+A mixin: the ResNet owns the state (``steps``, ``_groups``, ``_tied``, ``_chain``,
+``_fingerprint``, ...); these methods read and rebuild it. Communication only where a method
+says so (``refresh_structure``, ``check_tied_replicas``, ``_setup_ties``, ``_serial_reason``).
+"""
+from __future__ import annotations
+
+import array
+import warnings
+
+from mpi4py import MPI
+
+from ...comm import raise_agreed
+from ..chains.contract import autocast_enabled, global_hooks_registered
+from ..steps import batchnorm, stochastic
+from .tied import TiedLayers
+
+__all__ = ["StepStructure"]
+
+#: why a forward runs the serial pipeline (index: agreed code, the largest of every rank's)
+_SERIAL_REASONS = (None, "torch.autocast is active",
+                   "module hooks are registered on the step modules (or globally)")
+
+
+
+class StepStructure:
+    """Structure checks and fast-path upkeep of a :class:`~mgrit.nn.LayerParallelResNet` (see
+    there: ``refresh_structure``, ``check_tied_replicas``, ``batching_obstacle``)."""
+
+    def _structure_error(self) -> str | None:
+        """This rank's unsupported modules and parameters shared across layers (a message).
+        Also collects the BatchNorms and numbers the Dropout/DropPath modules of the steps."""
+        self._bns = batchnorm.batch_norms(self.steps)
+        error = (stochastic.plain_dropout_error(self.steps, self.first)
+                 or batchnorm.batchnorm_error(self.steps, self.first)
+                 or stochastic.attach(self.steps, self.first, self._noise)[1])
+        if error:
+            return error
+        if self._groups is not None:
+            return TiedLayers(self._groups, self.steps, self.first, self.partition,
+                              self.comm).structure_error(self.steps)
+        if self.comm.Get_size() > 1:
+            owner = {}
+            for k, s in enumerate(self.steps):
+                for name, p in s.named_parameters():
+                    j, first_name = owner.setdefault(id(p), (k, name))
+                    if j != k:
+                        return (f"layers {self.first + j} and {self.first + k} share the "
+                                f"parameter {first_name!r} (the same Parameter object): "
+                                f"parameters shared between layers are supported on one layer "
+                                f"rank only, unless declared with tie=... (with P = "
+                                f"{self.comm.Get_size()} every rank holds a copy, which tie "
+                                f"keeps identical); declare it with tie, give each layer its "
+                                f"own parameters or use P = 1")
+        return None
+
+    def _setup_ties(self) -> None:
+        """The tie groups' replicas and gradient layout (collective; see :mod:`.tied`)."""
+        if self._groups is None:
+            self._tied = None
+            return
+        self._tied = TiedLayers(self._groups, self.steps, self.first, self.partition, self.comm)
+        self._tied.setup()
+
+    def check_tied_replicas(self) -> None:
+        """Raise ``ValueError`` on every rank if the replicas of a weight-tied group (``tie``)
+        are not bitwise identical across the layer ranks (collective: one ``allgather``;
+        nothing to do without ties spanning ranks)."""
+        if self._tied is not None and self._tied.spanning:
+            error = self._tied.replica_error()  # from one allgather: the same on every rank
+            if error:
+                raise ValueError(error)
+
+    def _collect_parameters(self) -> None:
+        """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
+        its index among them (tied parameters: several layers point to one index); the
+        parameters and buffers whose versions the one-level path checks (``_checked``)."""
+        self._params = list(self.steps.parameters())  # deduplicated: shared ones once
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
+        self._checked = self._params + batchnorm.checked_buffers(self.steps)
+
+    def _checked_names(self) -> list:
+        """Names of :attr:`_checked` for error messages (global layer index and name)."""
+        names = {}
+        for j, s in enumerate(self.steps):
+            for n, t in s.named_parameters():
+                names.setdefault(id(t), f"parameter {n!r} of layer {self.first + j}")
+            for n, t in s.named_buffers():
+                names.setdefault(id(t), f"buffer {n!r} of layer {self.first + j}")
+        return [names.get(id(t), "a tensor of this rank's layers") for t in self._checked]
+
+    def refresh_structure(self) -> None:
+        """Re-read the step modules now. Rarely needed: every forward compares a fingerprint
+        of the step modules (:mod:`mgrit.nn.chains.contract`: parameters, buffers and submodules
+        replaced or added, dtypes, devices, ``training``, hooks) with the one its fast paths
+        were built from and rebuilds them when it changed. Still useful after assigning a plain
+        Python attribute of a step (``step._c = 2.0``; not in the fingerprint) and to re-check
+        unsupported modules and parameters shared across layers (a ValueError on every rank).
+        Collective over the layer communicator."""
+        raise_agreed(self.comm, self._structure_error())
+        self._setup_ties()
+        self._stochastic = stochastic.any_stochastic(self.steps, self.comm)
+        self._restructure()
+
+    def _restructure(self) -> None:
+        """Rebuild what was derived from the step modules: the parameter lists, the batched
+        chain (batching proof, stacked tensors), the tie groups' parameter references and the
+        fingerprint. Local (no message)."""
+        self._collect_parameters()
+        if self._tied is not None and self._params:
+            self._tied.rebind(self.steps, self._params[0].dtype, self._params[0].device)
+        self._chain.rebuild(self.steps)
+        self._fingerprint.take(training=self._reads_training())
+
+    def _reads_training(self) -> bool:
+        """Whether the fast path in use applies one module's ``training`` flags to other
+        layers (the batched ``vmap`` path calls the template's modules)."""
+        stack = self._chain._stack
+        return stack is not None and not stack._native
+
+    def _check_contract(self) -> None:
+        """The per-call check of :mod:`mgrit.nn.chains.contract`: rebuild the fast paths when the
+        step modules changed since they were built."""
+        if not self._fingerprint.same():
+            self._restructure()
+
+    def _serial_reason(self) -> str | None:
+        """Why this forward must run the serial pipeline instead of MGRIT (hooks on the steps
+        or global module hooks; autocast), agreed by every rank (when
+        ``P > 1``: an ``Allreduce`` of one int), or ``None``."""
+        code = 2 if self._fingerprint.hooked() else 1 if autocast_enabled(self.device) else 0
+        if self.comm.Get_size() > 1:  # the most serious reason of any rank, on every rank
+            buf = array.array("i", [code])
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+            code = buf[0]
+        reason = _SERIAL_REASONS[code]
+        if reason:
+            why = ("hooks fire once per layer on the serial states" if "hook" in reason else
+                   "autocast has serial semantics in the forward and the backward")
+            warnings.warn(f"LayerParallelResNet: {reason}: this forward runs the layers one after "
+                          f"the other (the serial pipeline across the ranks), so that {why}, as "
+                          f"in serial PyTorch, instead of the MGRIT solve (no layer parallelism "
+                          f"while this lasts)", stacklevel=3)
+        return reason
+
+    @property
+    def batching_obstacle(self) -> str | None:
+        self._check_contract()
+        if global_hooks_registered():
+            return "global module hooks are registered"
+        if self._fingerprint.hooked():
+            return "module hooks are registered on the step modules"
+        if self._chain.batched:
+            return None
+        return self._chain.batching_obstacle or "global module hooks are registered"
