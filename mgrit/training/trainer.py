@@ -81,7 +81,7 @@ class Trainer:
             None: no accuracy), reported divided by the number of samples as ``train_acc`` /
             ``test_acc``. Default None: correct argmax classifications of a 2-D output
             against 1-D integer labels (None for other outputs). A language model passes
-            :func:`mgrit.training.lm.token_accuracy`.
+            :func:`mgrit.models.lm.token_accuracy`.
         clip_grad_norm: clip the gradients to this global norm (2-norm over the whole model,
             after the data-parallel averaging) before every optimizer step, as
             ``torch.nn.utils.clip_grad_norm_`` on the serial model (see

@@ -3,10 +3,10 @@
 
 A run folder (``--out``, default ``runs/<method>-<timestamp>``) holds :data:`RUN_FILES`:
 ``config.json`` (the settings and the run's facts; :meth:`JobConfig.from_json
-<mgrit.training.jobconfig.JobConfig.from_json>`), ``console.log`` (rank 0's console, without
+<layerpar.jobconfig.JobConfig.from_json>`), ``console.log`` (rank 0's console, without
 progress bars), ``metrics.h5`` / ``metrics.csv`` (per epoch, epoch 0 = before training) and
 ``steps.csv`` (per optimizer step), ``summary.json``, ``curves.png``, ``model.pt`` (the final
-weights; :func:`mgrit.training.export.load_run` makes a plain PyTorch model of it),
+weights; :func:`layerpar.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
 ``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
 (``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .nets import exact_tolerance, segments
+from mgrit.training.nets import exact_tolerance, segments
 
 __all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
 

@@ -15,26 +15,24 @@ import torch
 from data import available_datasets
 from data.text import TEXT_CORPORA
 
-from ..nn.depth import PROLONGATIONS
-from ..nn.gru_chains import COARSE_PROPAGATORS
-from ..options import relaxation_sweeps
-from .lrschedule import SCHEDULES
-from .multilevel_init import depth_schedule, epoch_schedule
+from mgrit.models import LANGUAGE_MODELS  # models trained on a text corpus, next-token loss
+from mgrit.models.recurrent import SEQUENCE_TASKS  # generated sequence tasks (--model gru)
+from mgrit.multilevel.initialization import depth_schedule, epoch_schedule
+from mgrit.nn.depth import PROLONGATIONS
+from mgrit.nn.gru_chains import COARSE_PROPAGATORS
+from mgrit.options import relaxation_sweeps
+from mgrit.training.lrschedule import SCHEDULES
 
 __all__ = ["JobConfig", "read_config", "run_facts", "METHODS", "BUNDLED", "LANGUAGE_MODELS",
            "SEQUENCE_TASKS", "BIAS_ACTIONS", "DEVICES", "OPTIMIZER_NAMES"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
 BUNDLED = ("mnist5k", "digits", "peaks")
-#: Models trained on a text corpus (``data.text.TEXT_CORPORA``) with a next-token loss.
-LANGUAGE_MODELS = ("gpt",)
-#: Generated sequence tasks of ``--dataset`` (``--model gru``, mgrit.training.recurrent_models).
-SEQUENCE_TASKS = ("adding",)
 #: ``--bias-monitor`` choices: off, or a :class:`~mgrit.training.bias.BiasMonitor` action.
 BIAS_ACTIONS = ("off", "log", "raise", "serial")
 #: ``--device`` choices (mgrit.parallel.device_for_rank for auto / cuda).
 DEVICES = ("auto", "cpu", "cuda")
-#: ``--optimizer`` choices (built in mgrit.training.job.OPTIMIZERS).
+#: ``--optimizer`` choices (built in layerpar.job.OPTIMIZERS).
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 _POSITIVE = ("layers", "width", "channels", "kernel", "levels", "fwd_iters", "bwd_iters",
              "epochs", "batch_size", "eval_batch_size")
@@ -321,7 +319,7 @@ class JobConfig:
 
     @staticmethod
     def _check_model(c: "JobConfig") -> None:
-        """Settings of --model staged-resnet|vit|gpt (mgrit.training.transformer_models)."""
+        """Settings of --model staged-resnet|vit|gpt (mgrit.models.transformer)."""
         for name in ("d_model", "heads", "patch", "context"):
             if getattr(c, name) < 1:
                 raise ValueError(f"{_flag(name)}={getattr(c, name)} is not allowed: use an int >= 1")
@@ -356,8 +354,8 @@ class JobConfig:
 
     @staticmethod
     def _check_schedule_and_sequences(c: "JobConfig", P_L: int) -> None:
-        """--multilevel-init (mgrit.training.multilevel_init) and --model gru / --dataset
-        adding (mgrit.training.recurrent_models)."""
+        """--multilevel-init (mgrit.multilevel.initialization) and --model gru / --dataset
+        adding (mgrit.models.recurrent)."""
         if c.multilevel_init < 0:
             raise ValueError(f"--multilevel-init={c.multilevel_init} is not allowed: use 0 (off) "
                              f"or the number of depths L >= 1")
