@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mgrit.training.nets import exact_tolerance, segments
+from mgrit.training.nets import as_net
 
 __all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
 
@@ -133,12 +133,13 @@ def eval_solve(net, method: str, model: str = "", gru_eval_rtol: float = 0.0) ->
     if model == "gru" and method == "mgrit":
         return (f"MGRIT forward in time to relative residual {gru_eval_rtol:g}"
                 if gru_eval_rtol > 0 else "MGRIT forward in time with the training cycles")
-    segs = segments(net)
+    net = as_net(net)
+    segs = net.solver_segments()
     if not segs:
         return "serial forward (exact)"
     if all(s.forward_solver.hierarchy.n_levels == 1 for s in segs):
         return "one-level forward, layers in order across the ranks (exact)"
-    tol = exact_tolerance(net)
+    tol = net.exact_tolerance()
     if tol is not None:
         return f"MGRIT forward iterated to tolerance {tol:g} (exact up to it)"
     o = segs[0].fwd_opts

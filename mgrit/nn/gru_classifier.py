@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .gru import ParallelGRU
+from .protocol import NetMixin
 
 __all__ = ["GRUSequenceClassifier", "image_rows"]
 
@@ -30,7 +31,7 @@ def image_rows(images: torch.Tensor) -> torch.Tensor:
                      f"or (n, H, W) single-channel images")
 
 
-class GRUSequenceClassifier(nn.Module):
+class GRUSequenceClassifier(NetMixin, nn.Module):
     """``head(h_N)`` with ``h_N`` the final hidden state of a :class:`ParallelGRU`.
 
     Args:

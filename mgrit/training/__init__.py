@@ -10,7 +10,10 @@ gradients' bias against their noise; raises the solve accuracy or switches to se
 :class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
 Modules: ``trainer`` (the loop), ``method`` (``TrainingMethod``, ``MethodOptimizer``),
 ``epoch``, ``schedule`` (batches, shards), ``lrschedule`` (learning-rate schedules), ``nets``
-(one interface for LayerParallelNet and serial modules), ``callbacks``, ``metrics`` (+
+(``as_net``, ``SerialNet``: the runtime's side of the network protocol
+:mod:`mgrit.nn.protocol`, which every network implements for the loop, the checkpoints, the
+guard and the bias monitor), ``solvers`` (phase tags on a segment's MGRIT solves, rebuilding a
+solver with new options), ``callbacks``, ``metrics`` (+
 ``report``, the results writers it shares with the experiments), ``checkpoint`` (+
 ``checkpoint_io``, ``ckpt_match``), ``guard``, ``bias`` (+ ``bias_estimate``), ``faults``
 (phases, one-line failure reports), ``records`` (``FitResult``, ``StepRecord``, ...),

@@ -26,10 +26,10 @@ from .epoch import EpochAccumulator, UnconvergedWarning
 from .faults import phase
 from .guard import name_nonfinite
 from .method import TrainingMethod
-from .nets import (as_net, check_tied_replicas, describe_solvers, exact_tolerance, instrument,
-                   replicated_parameters, solver_results, solver_summary, tied_duplicates)
+from .nets import as_net
 from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
+from .solvers import instrument
 
 if TYPE_CHECKING:  # annotations only
     from data import Split
@@ -219,7 +219,7 @@ class Trainer:
         out = loss = None
         if n or self._bn:  # synchronized BatchNorm: an empty shard joins its collectives
             out, loss = self._forward_backward(x, y, rec.weight)
-            rec.solves = solver_results(self.net) if n else []
+            rec.solves = self.net.solver_results() if n else []
         elif self._sync is not None:  # an empty shard joins the replicas' buffer verdict
             self._sync.begin_step()
             self._sync.end_step()
@@ -230,8 +230,8 @@ class Trainer:
         if self.clip_grad_norm is not None:  # global norm: layer ranks, after the averaging
             self.grad_norm = float(clip_grad_norm_(self.net, self.clip_grad_norm,
                                                    self.grid.layer_comm,
-                                                   replicated=replicated_parameters(self.net),
-                                                   counted_elsewhere=tied_duplicates(self.net)))
+                                                   replicated=self.net.replicated_parameters(),
+                                                   counted_elsewhere=self.net.tied_duplicates()))
         self.optimizer.step()
         self.steps_done += 1
         if n:
@@ -377,10 +377,10 @@ class Trainer:
                        start_epoch=start_epoch, start_batch=start_batch,
                        initial_test_acc=initial[0], initial_test_loss=initial[1],
                        resumed_from=None if resume is None else os.fspath(resume), notes=notes,
-                       solvers=describe_solvers(self.net))
+                       solvers=self.net.describe_solvers())
         self.plan = plan
         self._call("on_fit_start", plan)
-        tol = exact_tolerance(self.net)
+        tol = self.net.exact_tolerance()
         for epoch in range(start_epoch, epochs):
             self.net.train()
             acc = EpochAccumulator(acc_state if epoch == start_epoch else None)
@@ -422,13 +422,13 @@ class Trainer:
             for k, v in rec.metrics().items():
                 hist[k].append(v)
             self._call("on_epoch_end", rec)
-            check_tied_replicas(self.net)  # weight-tied layers across ranks: still identical
+            self.net.check_tied_replicas()  # weight-tied layers across ranks: still identical
             if self.checkpoint:
                 self._save_fit(epoch + 1, 0, EpochAccumulator(), hist, expect, initial)
         final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
         final["initial_test_acc"] = initial[0]
         result = FitResult(history=hist, final=final, steps=self.steps_done, plan=plan,
-                           solver_stats=solver_summary(self.net))
+                           solver_stats=self.net.solver_summary())
         self._call("on_fit_end", result)
         return result
 
