@@ -1,11 +1,11 @@
 """The main job's composition root (``experiments/train.py``): configuration, flags, the run
 folder and the wiring of data, model, training method and callbacks into one run.
 
-Modules: ``jobconfig`` (:class:`JobConfig`, one field per flag, its validation) + ``jobfacts``
-(the run's facts, reading a run's ``config.json``), ``flags`` (the argparse groups,
-:func:`~layerpar.flags.job_parser`), ``cli`` (:class:`~layerpar.cli.JobParser`: help and errors
-once on many ranks), ``job`` (:func:`run_job`: grid, run folder, data, network, optimizer,
-callbacks, ``Trainer``), ``runfolder`` (what a run folder holds, ``--overwrite``, console copy),
+Modules: ``jobconfig`` (:class:`JobConfig`, one field per flag; reading a run's
+``config.json``) + ``validation`` (the allowed values, every flag checked), ``flags`` (the
+argparse groups, :func:`~layerpar.flags.job_parser`), ``cli`` (:class:`~layerpar.cli.JobParser`:
+help and errors once on many ranks), ``job`` (:func:`run_job`: grid, run folder, data,
+network, optimizer, callbacks, ``Trainer``), ``runfolder`` (what a run folder holds, ``--overwrite``, console copy),
 ``export`` (a run folder as a plain PyTorch model: ``load_run``; ``python -m layerpar.export RUN
 model.pt``).
 

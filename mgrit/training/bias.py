@@ -96,7 +96,8 @@ def _iters(net) -> list:
 
 
 def _one_level(net) -> bool:
-    return all(s.fwd_opts.max_levels == 1 and s.bwd_opts.max_levels == 1 for s in as_net(net).solver_segments())
+    return all(s.fwd_opts.max_levels == 1 and s.bwd_opts.max_levels == 1
+               for s in as_net(net).solver_segments())
 
 
 class BiasMonitor:

@@ -2,8 +2,8 @@
 
 One file (:mod:`~mgrit.training.checkpoint_io`: plain contents, atomic write, loaded with
 ``weights_only=True``), written by rank 0 of the grid. Contents (format 2), every per-layer
-item under a **global** key (``net.global_modules()``, :mod:`mgrit.nn.protocol`), so a checkpoint saved on
-``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
+item under a **global** key (``net.global_modules()``, :mod:`mgrit.nn.protocol`), so a
+checkpoint saved on ``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
 
 * ``model``: weights and buffers under the keys of ``net.to_serial().state_dict()`` (``"0.*"``
   opening, ``"{1+k}.F.*"`` layer ``k``, ``"{N+1}.*"`` closing; a serial network's own keys,
