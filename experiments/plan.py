@@ -49,8 +49,8 @@ from mgrit.parallel.gradbuckets import GradientBuckets  # noqa: E402
 from mgrit.perf import planner, strategies  # noqa: E402
 from mgrit.perf.baselines import GPipe, ModuleStage  # noqa: E402
 from mgrit.training import report as reporting  # noqa: E402
-from mgrit.training.jobconfig import JobConfig  # noqa: E402
-from mgrit.training.models import build_model  # noqa: E402
+from layerpar.jobconfig import JobConfig  # noqa: E402
+from mgrit.models import build_model  # noqa: E402
 
 #: name -> (layers, width, batch); quick variants for --quick.
 NETWORKS = {"deep": (4096, 8, 64), "mnist": (32, 32, 50), "wide": (8, 1024, 128)}

@@ -31,10 +31,10 @@ if str(ROOT) not in sys.path:
 
 from mgrit.training import Trainer  # noqa: E402
 from data import TEXT_CORPORA, load_dataset, load_text  # noqa: E402
-from mgrit.training.job import OPTIMIZERS  # noqa: E402
-from mgrit.training.jobconfig import LANGUAGE_MODELS, JobConfig  # noqa: E402
-from mgrit.training.lm import lm_loss, token_accuracy  # noqa: E402
-from mgrit.training.models import build_model  # noqa: E402
+from layerpar.job import OPTIMIZERS  # noqa: E402
+from layerpar.jobconfig import LANGUAGE_MODELS, JobConfig  # noqa: E402
+from mgrit.models.lm import lm_loss, token_accuracy  # noqa: E402
+from mgrit.models import build_model  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 #: --smoke: the same jobs, tiny (seconds each; for the test suite)
@@ -82,7 +82,7 @@ def exact_evaluation(run: Path) -> dict:
     c = JobConfig(**cfg).validated(1)
     dtype = torch.float64 if c.dtype == "float64" else torch.float32
     torch.set_default_dtype(dtype)
-    if c.dataset in TEXT_CORPORA:  # as the job loads them (mgrit.training.job)
+    if c.dataset in TEXT_CORPORA:  # as the job loads them (layerpar.job)
         _, test = load_text(c.dataset, context=c.context, seed=c.seed,
                             test_fraction=c.test_fraction)
         x = torch.as_tensor(test.x)

@@ -47,8 +47,8 @@ from mgrit.parallel import ProcessGrid  # noqa: E402
 from mgrit.training import ConsoleLog, Trainer, fail_fast  # noqa: E402
 from mgrit.training import report as reporting  # noqa: E402
 from mgrit.training.bias import BiasMonitor  # noqa: E402
-from mgrit.training.jobconfig import JobConfig  # noqa: E402
-from mgrit.training.models import build_model  # noqa: E402
+from layerpar.jobconfig import JobConfig  # noqa: E402
+from mgrit.models import build_model  # noqa: E402
 
 RUNS = ("serial", "fixed", "monitor")
 

@@ -10,7 +10,7 @@ MGRIT with 2 forward / 1 backward cycles unless ``--exact``)::
     python experiments/study_multilevel.py --smoke --out /tmp/x # seconds, for the tests
     mpiexec -n 2 python -m mpi4py experiments/study_multilevel.py
 
-(a) Through the main job (``mgrit.training.job.run_job``, ``--multilevel-init``): MNIST subset
+(a) Through the main job (``layerpar.job.run_job``, ``--multilevel-init``): MNIST subset
 (``mnist5k``: 4,000 train / 1,000 test), opening ``Linear(784, w)`` + tanh -> ``N`` dense tanh
 residual layers (``T = 1``) -> ``Linear(w, 10)``; SGD with momentum 0.9 (``--optimizer``,
 ``--lr``), batches of ``--batch``, the same seed for both runs. Scratch: ``--multilevel-init 1``
@@ -54,9 +54,9 @@ from data import load_dataset  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.training import report as reporting  # noqa: E402
-from mgrit.training.job import run_job  # noqa: E402
-from mgrit.training.jobconfig import JobConfig  # noqa: E402
-from mgrit.training.mgopt import MGOpt  # noqa: E402
+from layerpar.job import run_job  # noqa: E402
+from layerpar.jobconfig import JobConfig  # noqa: E402
+from mgrit.multilevel.mgopt import MGOpt  # noqa: E402
 
 STUDY = "multilevel"
 INNER = {"sgd": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),

@@ -7,16 +7,16 @@ Launch (the README's first command; default: mnist5k, dense ResNet of 32 tanh st
     python experiments/train.py --serial                        # the serial reference, 1 rank
     mpiexec -n 4 python -m mpi4py experiments/train.py --dp 2   # 2 layer ranks x 2 replicas
 
-Flag parsing here (the flags: :mod:`mgrit.training.flags`), everything else in the library:
-:func:`mgrit.training.job.run_job` (grid,
-run directory, data, :mod:`mgrit.training.models`, optimizer, callbacks) trains through
+Flag parsing here (the flags: :mod:`layerpar.flags`), everything else in the library:
+:func:`layerpar.job.run_job` (grid,
+run directory, data, :mod:`mgrit.models`, optimizer, callbacks) trains through
 :class:`mgrit.training.Trainer` (``--method mgrit|serial``) or ``layerwise``
 (``--method sequential|decoupled``). Every sample of every epoch is used for any ``--dp``
 (a replica without samples in a small last batch joins the gradient average with weight 0).
 Output (rank 0): ``RUN/config.json``, ``metrics.h5``, ``summary.json``, ``curves.png``
 (``RUN`` = ``--out``, default ``runs/<method>-<timestamp>``; an existing non-empty one only with
 ``--overwrite`` or ``--resume``), ``console.log``, ``metrics.csv``, ``steps.csv`` and
-``model.pt`` (``python -m mgrit.training.export RUN model.pt`` makes a plain PyTorch model of it).
+``model.pt`` (``python -m layerpar.export RUN model.pt`` makes a plain PyTorch model of it).
 Ctrl-C prints where the run stopped and how to resume it, writes the results so far and exits
 with status 130. Started by torchrun or by srun with another MPI: one line saying how to
 launch, status 2. A failure prints one line
@@ -41,13 +41,13 @@ if __name__ == "__main__":  # torchrun / srun with another MPI: one line, before
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mgrit.training.cli import JobParser  # noqa: E402
+from layerpar.cli import JobParser  # noqa: E402
 from mgrit.training.faults import abort_quietly, fail_fast  # noqa: E402
-from mgrit.training.flags import job_parser  # noqa: E402
-from mgrit.training.job import run_job  # noqa: E402
+from layerpar.flags import job_parser  # noqa: E402
+from layerpar.job import run_job  # noqa: E402
 
 def build_parser() -> JobParser:
-    """The job's parser (:func:`mgrit.training.flags.job_parser`)."""
+    """The job's parser (:func:`layerpar.flags.job_parser`)."""
     return job_parser("experiments/train.py")
 
 

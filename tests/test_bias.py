@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from mgrit.parallel import ProcessGrid
 from mgrit.training.bias import BiasMonitor, measure_bias
-from mgrit.training.jobconfig import JobConfig
+from layerpar.jobconfig import JobConfig
 from tests.mpi_cases import bias_cases as cases
 from tests.mpi_harness import MPIBatch
 
@@ -153,7 +153,7 @@ def test_main_job_logs_every_check(tmp_path, capsys):
     the measured bias falls with each; with 5/4 cycles on 3 levels of 8 layers the solve is
     exact (MGRIT is exact after N/cfactor cycles), the bias is float32 round-off and the fourth
     check does nothing. Actions are announced on the console."""
-    from mgrit.training.job import run_job  # the main job imports layerwise and data: heavy
+    from layerpar.job import run_job  # the main job imports layerwise and data: heavy
     c = JobConfig(dataset="digits", layers=8, cfactor=2, width=8, epochs=1, limit_train=100,
                   limit_test=20, batch_size=25, no_progress=True, bias_monitor="raise",
                   bias_every=1, bias_ratio=1e-6, bias_window=1,

@@ -95,7 +95,7 @@ def test_mainjob_record_is_generated_from_the_runs(quick):
     """compare_mainjob.py: the serial job on 1 rank and the MGRIT job on 2 ranks at the job's
     defaults; summary.md / headline.json state the numbers of the runs' own files."""
     import regenerate as rg
-    from mgrit.training.jobconfig import JobConfig
+    from layerpar.jobconfig import JobConfig
     d = quick[0] / "mnist_mgrit_vs_serial"
     for f in ("table.md", "summary.md", "headline.json"):
         assert (d / f).is_file() and (d / f).stat().st_size > 0, f"missing {f}"

@@ -1,4 +1,4 @@
-"""``--model gru`` and ``--dataset adding`` in the main job (mgrit.training.recurrent_models).
+"""``--model gru`` and ``--dataset adding`` in the main job (mgrit.models.recurrent).
 
 In-process (one rank, float64): the serial form (fused ``nn.GRU`` through
 ``torch.func.functional_call``) against an unrolled ``nn.GRUCell`` loop; the layer-parallel
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mgrit.training.jobconfig import JobConfig
-from mgrit.training.models import build_model
-from mgrit.training.recurrent_models import (GRUNet, SerialGRUNet, load_sequence_task,
+from layerpar.jobconfig import JobConfig
+from mgrit.models import build_model
+from mgrit.models.recurrent import (GRUNet, SerialGRUNet, load_sequence_task,
                                              regression_loss, sequence_shape)
 from tests.test_train_job import _load_script, run_jobs
 

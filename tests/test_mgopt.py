@@ -1,4 +1,4 @@
-"""MG/Opt driver (mgrit.training.mgopt), serial, float64, on 200 Peaks points.
+"""MG/Opt driver (mgrit.multilevel.mgopt), serial, float64, on 200 Peaks points.
 
 References: the first-order coherence ``grad F_H(R x) = P^T grad f_h(x)`` against P^T written
 out by hand from plain autograd gradients (sum of the two fine layers of each coarse layer),
@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from data import load_dataset
 from mgrit.nn import DenseStep, serial_resnet
 from mgrit.nn.depth import restrict
-from mgrit.training.mgopt import MGOpt, MGOptOptions
+from mgrit.multilevel.mgopt import MGOpt, MGOptOptions
 
 DT = torch.float64
 W, N = 4, 8

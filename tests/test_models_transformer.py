@@ -1,6 +1,6 @@
 """The main job's staged ResNet, ViT and character-level GPT (``--model staged-resnet|vit|gpt``),
 the text corpus (``data.text``) and the language-model loss, metric and sampling
-(``mgrit.training.lm``).
+(``mgrit.models.lm``).
 
 One process: corpus and split against the text itself; ``lm_loss`` / ``token_accuracy`` against
 ``F.cross_entropy`` over all tokens, also through ``Trainer.evaluate``; greedy sampling against
@@ -27,10 +27,10 @@ from torch.nn import functional as F
 
 from data.text import TEXT_CORPORA, corpus_text, decode, load_text, split_text, vocabulary
 from mgrit.training import Trainer
-from mgrit.training.jobconfig import JobConfig
-from mgrit.training.lm import bits_per_char, greedy_sample, lm_loss, token_accuracy
-from mgrit.training.models import MODELS, build_model, mgrit_options
-from mgrit.training.transformer_parts import PatchEmbedding, TokenEmbedding
+from layerpar.jobconfig import JobConfig
+from mgrit.models.lm import bits_per_char, greedy_sample, lm_loss, token_accuracy
+from mgrit.models import MODELS, build_model, mgrit_options
+from mgrit.models.transformer_parts import PatchEmbedding, TokenEmbedding
 from tests.mpi_harness import MPIBatch
 from tests.regenerate_quick import MPIEXEC, ROOT
 

@@ -1,4 +1,4 @@
-"""``--multilevel-init`` in the main job (mgrit.training.multilevel_init): coarse-to-fine
+"""``--multilevel-init`` in the main job (mgrit.multilevel.initialization): coarse-to-fine
 training in depth (Cyr, Guenther & Schroder 2019).
 
 Reference: the schedule written as a plain loop in this file -- the job's documented serial
@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from data import load_dataset
 from mgrit.nn import ResidualStep, layer_seed, make_step
-from mgrit.training.multilevel_init import LevelHistory, depth_schedule, epoch_schedule
+from mgrit.multilevel.initialization import LevelHistory, depth_schedule, epoch_schedule
 from mgrit.training.records import HISTORY_KEYS
 from tests.test_train_job import ROOT, TIMEOUT, _cmd, _load_script, job_env, run_jobs
 

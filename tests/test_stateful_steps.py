@@ -135,8 +135,8 @@ def test_cifar_resnet_model_and_flags():
     after one forward; evaluation output), h = 1; ``--dropout`` only for the transformers."""
     from mpi4py import MPI
 
-    from mgrit.training.jobconfig import JobConfig
-    from mgrit.training.models import build_model
+    from layerpar.jobconfig import JobConfig
+    from mgrit.models import build_model
     cfg = JobConfig(model="cifar-resnet", dataset="digits", channels=2, layers=3, levels=2,
                     cfactor=2, tol=1e-13)
     old = torch.get_default_dtype()

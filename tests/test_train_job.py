@@ -258,10 +258,10 @@ def test_load_run_gives_the_trained_network(jobs):
     from torch.nn import functional as F
 
     from mgrit.training.checkpoint import load_checkpoint
-    from mgrit.training.export import load_run, main as export_main
-    from mgrit.training.job import _load
-    from mgrit.training.jobconfig import JobConfig, read_config
-    from mgrit.training.models import build_model
+    from layerpar.export import load_run, main as export_main
+    from layerpar.job import _load
+    from layerpar.jobconfig import JobConfig, read_config
+    from mgrit.models import build_model
 
     out = jobs["mgrit2"][0]
     _check_run(jobs["mgrit2"])
@@ -294,7 +294,7 @@ def test_load_run_gives_the_trained_network(jobs):
 def test_out_must_be_new_unless_overwrite_or_resume(tmp_path, capsys):
     """An existing non-empty --out is refused (one line, before any communication);
     --overwrite deletes only the run's own files; --overwrite with --resume is refused."""
-    from mgrit.training.runfolder import clear_run_dir
+    from layerpar.runfolder import clear_run_dir
 
     run = tmp_path / "run"
     run.mkdir()

@@ -6,7 +6,7 @@ keeps ``T`` and the control ``theta(t)`` and divides the step: the nested iterat
 Cyr, Guenther & Schroder 2019 ("Multilevel initialization for layer-parallel deep neural
 network training", arXiv 1912.08974) trains a shallow network with a large step, interpolates its
 weights to ``f`` times the layers at ``1/f`` the step and continues. The same operators are the
-grid transfers of MG/Opt (:mod:`mgrit.training.mgopt`).
+grid transfers of MG/Opt (:mod:`mgrit.multilevel.mgopt`).
 
 Operators (factor ``f >= 1``; coarse layer ``j`` at ``t = j f h``; fine layer ``k = f j + i``,
 ``0 <= i < f``), applied to every parameter and floating buffer of the step modules:

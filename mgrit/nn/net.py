@@ -59,6 +59,7 @@ from ..comm import raise_agreed
 from ..stats import SolverStats
 from ._p2p import join, recv, send, transfer_tag
 from .chains.compiled import compile_neutral_keys, plain_module
+from .protocol import LayerParallelNetMixin
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 from .steps.stochastic import seed_serial
@@ -97,7 +98,7 @@ def alias_tied(state: dict, prefixes: dict) -> dict:
     return state
 
 
-class LayerParallelNet(nn.Module):
+class LayerParallelNet(LayerParallelNetMixin, nn.Module):
     """Ordinary modules and layer-parallel segments applied in order (see the module docstring
     for where each part runs and the global key scheme).
 

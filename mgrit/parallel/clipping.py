@@ -83,7 +83,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
         counted_elsewhere: those of ``parameters`` whose (identical) gradient another layer
             rank counts: left out of this rank's share of the norm, still scaled (e.g. the
             replicas of a weight-tied group spanning ranks, counted by the rank holding the
-            group's first layer; :func:`mgrit.training.nets.tied_duplicates`). Default none.
+            group's first layer; :meth:`mgrit.nn.protocol.NetMixin.tied_duplicates`). Default none.
         error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the total norm is NaN
             or Inf instead of scaling by a NaN factor (torch's option, default False).
 

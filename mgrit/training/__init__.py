@@ -9,15 +9,20 @@ optimizer: the layer-wise methods), the records :class:`FitResult` and :class:`S
 gradients' bias against their noise; raises the solve accuracy or switches to serial),
 :class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
 Modules: ``trainer`` (the loop), ``method`` (``TrainingMethod``, ``MethodOptimizer``),
-``epoch``, ``schedule`` (batches, shards), ``nets`` (one interface for LayerParallelNet and
-serial modules), ``callbacks``, ``metrics``, ``checkpoint`` (+ ``checkpoint_io``,
-``ckpt_match``), ``guard``, ``bias`` (+ ``bias_estimate``), ``faults`` (phases, one-line
-failure reports), ``models`` (registry of the main job's networks), ``jobconfig`` + ``cli`` +
-``job`` (the main job), ``report``, ``guenther``, ``mgopt`` (MG/Opt, Nash 2000).
+``epoch``, ``schedule`` (batches, shards), ``lrschedule`` (learning-rate schedules), ``nets``
+(``as_net``, ``SerialNet``: the runtime's side of the network protocol
+:mod:`mgrit.nn.protocol`, which every network implements for the loop, the checkpoints, the
+guard and the bias monitor), ``solvers`` (phase tags on a segment's MGRIT solves, rebuilding a
+solver with new options), ``callbacks``, ``metrics`` (+
+``report``, the results writers it shares with the experiments), ``checkpoint`` (+
+``checkpoint_io``, ``ckpt_match``), ``guard``, ``bias`` (+ ``bias_estimate``), ``faults``
+(phases, one-line failure reports), ``records`` (``FitResult``, ``StepRecord``, ...),
+``datapkg``.
 
-Depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`; never
-imported by them, and never imports ``experiments``; only ``job`` (the main job's composition,
-imported by nothing in the library) imports ``layerwise``. Communicators: only
+Floor L3: depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`;
+never imports a higher floor: not the model zoo (:mod:`mgrit.models`), the multilevel
+algorithms (:mod:`mgrit.multilevel`), ``layerwise``, the main job (:mod:`layerpar`: its
+configuration, flags, run folder and wiring) or ``experiments``. Communicators: only
 those of the :class:`~mgrit.parallel.ProcessGrid` it is given (``grid.comm`` for agreement,
 checkpoints and timing, ``grid.layer_comm`` inside the network, ``grid.data_comm`` for gradient
 averaging and metrics); ``fail_fast`` aborts on the communicator passed to it.

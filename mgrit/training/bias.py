@@ -72,7 +72,8 @@ from typing import TYPE_CHECKING, Callable
 from torch import nn
 
 from .bias_estimate import REFERENCES, BiasEstimate, _is_int, _is_pos_number, measure_bias
-from .nets import replace_solver, segments
+from .nets import as_net
+from .solvers import replace_solver
 
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
     from .records import FitPlan, FitResult, StepRecord
@@ -91,11 +92,12 @@ def _json_number(v):
 def _iters(net) -> list:
     """``[(forward max_iter, adjoint max_iter, forward levels)]`` per segment."""
     return [(s.fwd_opts.max_iter, s.bwd_opts.max_iter, s.fwd_opts.max_levels)
-            for s in segments(net)]
+            for s in as_net(net).solver_segments()]
 
 
 def _one_level(net) -> bool:
-    return all(s.fwd_opts.max_levels == 1 and s.bwd_opts.max_levels == 1 for s in segments(net))
+    return all(s.fwd_opts.max_levels == 1 and s.bwd_opts.max_levels == 1
+               for s in as_net(net).solver_segments())
 
 
 class BiasMonitor:
@@ -201,7 +203,7 @@ class BiasMonitor:
         if action not in ("raise", "serial"):
             raise ValueError(f"action={action!r} is not allowed here: use 'raise' or 'serial'")
         change = {}
-        for k, s in enumerate(segments(net)):
+        for k, s in enumerate(as_net(net).solver_segments()):
             c = {}
             if action == "serial":
                 for which, o in (("forward", s.fwd_opts), ("backward", s.bwd_opts)):
@@ -233,7 +235,7 @@ class BiasMonitor:
 
     @staticmethod
     def _check_net(net) -> None:
-        if not segments(net):
+        if not as_net(net).solver_segments():
             raise ValueError("BiasMonitor needs a layer-parallel network (a LayerParallelNet "
                              "with LayerParallelResNet segments): a serial network has no "
                              "solver bias; remove the monitor")
@@ -248,7 +250,7 @@ class BiasMonitor:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        segs = segments(net)
+        segs = as_net(net).solver_segments()
         if pending["options"] is not None and len(pending["options"]) != len(segs):
             raise ValueError(f"the bias monitor's state has {len(pending['options'])} "
                              f"segment(s), the network {len(segs)}")

@@ -20,7 +20,8 @@ from mpi4py import MPI
 from torch.nn import functional as F
 
 from .faults import phase
-from .nets import replace_solver, segments
+from .nets import as_net
+from .solvers import replace_solver
 
 __all__ = ["BiasEstimate", "measure_bias", "REFERENCES"]
 
@@ -77,7 +78,7 @@ def _reference_mode(net, params, reference: str, tol: float, max_iter: int):
     """Switch every segment to the reference solve without side effects: on exit the solver
     options, warm-start flags, latest results, buffers, ``.grad`` objects and RNG states are
     as on entry."""
-    segs = segments(net)
+    segs = as_net(net).solver_segments()
     saved = [(s.fwd_opts, s.bwd_opts, s.warm_start, s.warm_start_adjoint, s.last_forward,
               s.last_backward) for s in segs]
     grads = [p.grad for p in params]
@@ -134,7 +135,7 @@ def measure_bias(net, x: torch.Tensor, y: torch.Tensor, grid, *,
         ValueError: a network without layer-parallel segments, or bad arguments (every rank,
             before any communication).
     """
-    if not segments(net):
+    if not as_net(net).solver_segments():
         raise ValueError("measure_bias needs a layer-parallel network (a LayerParallelNet with "
                          "at least one LayerParallelResNet segment): a serial network has no "
                          "solver bias")
@@ -162,7 +163,7 @@ def measure_bias(net, x: torch.Tensor, y: torch.Tensor, grid, *,
                 micro.append(_flat([p.grad for p in params], params))
                 sizes.append(len(idx))
                 if reference == "converged":
-                    for s in segments(net):
+                    for s in as_net(net).solver_segments():
                         for r in (s.last_forward, s.last_backward):
                             if r is not None and r.residuals:
                                 residual = max(residual or 0.0, float(r.residuals[-1]))

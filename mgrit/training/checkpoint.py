@@ -2,8 +2,8 @@
 
 One file (:mod:`~mgrit.training.checkpoint_io`: plain contents, atomic write, loaded with
 ``weights_only=True``), written by rank 0 of the grid. Contents (format 2), every per-layer
-item under a **global** key (:func:`mgrit.training.nets.blocks`), so a checkpoint saved on
-``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
+item under a **global** key (``net.global_modules()``, :mod:`mgrit.nn.protocol`), so a
+checkpoint saved on ``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
 
 * ``model``: weights and buffers under the keys of ``net.to_serial().state_dict()`` (``"0.*"``
   opening, ``"{1+k}.F.*"`` layer ``k``, ``"{N+1}.*"`` closing; a serial network's own keys,
@@ -44,8 +44,8 @@ from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_st
 from .ckpt_match import mismatches, payloads
 from .faults import phase
 from ..nn.net import alias_tied, tied_conflict
-from .nets import (as_net, blocks, tied_prefixes, net_meta, owned_points, replace_solver, segments,
-                   set_warm_states, solver_options, warm_states)
+from .nets import as_net
+from .solvers import replace_solver
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "CheckpointError", "FORMAT"]
 
@@ -111,8 +111,8 @@ def _optimizer_local(optimizer, keys) -> dict:
 def _param_keys(net) -> dict:
     """Global key of each of this rank's parameters; a weight-tied parameter gets its group's
     first layer's key (the same on every rank holding it, whatever the partition)."""
-    tied = tied_prefixes(net)
-    return {id(p): _canonical(prefix + n, tied) for prefix, m in blocks(net)
+    tied = net.tied_prefixes()
+    return {id(p): _canonical(prefix + n, tied) for prefix, m in net.global_modules()
             for n, p in m.named_parameters()}
 
 
@@ -128,21 +128,21 @@ def _local_part(net, optimizer, grid, rank_extra) -> dict:
             "model": None, "optimizer": None, "warm": None}
     if drank == 0:
         copies, model = {}, {}  # one copy of a tensor listed under several keys (tied)
-        for prefix, m in blocks(net):
+        for prefix, m in net.global_modules():
             for n, t in m.state_dict(keep_vars=True).items():  # the tensors: stable ids
                 if id(t) not in copies:
                     copies[id(t)] = t.detach().cpu().clone()
                 model[prefix + n] = copies[id(t)]
         part["model"] = model
         part["optimizer"] = _optimizer_local(optimizer, _param_keys(net))
-    ws = warm_states(net)
+    ws = net.warm_states()
     if any(w is not None for w in ws):
         part["warm"] = ws
     if comm.Get_rank() == 0:
-        part["head"] = {"net": net_meta(net), "tied": tied_prefixes(net),
+        part["head"] = {"net": net.checkpoint_meta(), "tied": net.tied_prefixes(),
                         "optimizer_type": None if optimizer is None else type(optimizer).__name__,
                         "options": [{"forward": _options_dict(f), "backward": _options_dict(b)}
-                                    for f, b in solver_options(net)]}
+                                    for f, b in net.solver_options()]}
     check_plain(part, f"rank {comm.Get_rank()}'s part of the checkpoint")
     return part
 
@@ -247,22 +247,22 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
     comm, lrank, drank, P_L, P_D = _grid_info(grid)
     rendezvous(comm, "loading a checkpoint")  # every rank, or the missing ones named
     rank = comm.Get_rank()
-    want = {"model": {prefix + n: list(t.shape) for prefix, m in blocks(net)
+    want = {"model": {prefix + n: list(t.shape) for prefix, m in net.global_modules()
                       for n, t in m.state_dict().items()},
-            "points": owned_points(net), "data_rank": drank,
+            "points": net.owned_points(), "data_rank": drank,
             "params": sorted(set(_param_keys(net).values()))}
     wants = comm.gather(want, root=0)
     error, plans = None, None
     if rank == 0:
         ckpt, error = read_file(path)
         if error is None:
-            head = {"net": net_meta(net), "expect": dict(expect or {}),
+            head = {"net": net.checkpoint_meta(), "expect": dict(expect or {}),
                     "optimizer_type": None if optimizer is None else type(optimizer).__name__}
-            bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], tied_prefixes(net))
+            bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], net.tied_prefixes())
             if bad:
                 error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
         if error is None:
-            plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net_meta(net)["kind"])
+            plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net.checkpoint_meta()["kind"])
     error = comm.bcast(error, root=0)
     if error:
         raise agreed((FileNotFoundError if error[0] == "missing" else ValueError)(error[1]))
@@ -281,19 +281,19 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
 
 
 def _apply(mine, net, optimizer, restore_rng, restore_warm, restore_options) -> None:
-    for prefix, m in blocks(net):
+    for prefix, m in net.global_modules():
         m.load_state_dict({n: mine["model"][prefix + n] for n in m.state_dict()})
     if optimizer is not None:
         _load_optimizer(optimizer, mine["optimizer"], _param_keys(net))
-    segs = segments(net)
+    segs = net.solver_segments()
     if restore_options and len(mine["options"]) == len(segs):
-        for seg, saved_k, current in zip(segs, mine["options"], solver_options(net)):
+        for seg, saved_k, current in zip(segs, mine["options"], net.solver_options()):
             for which, cur in zip(("forward", "backward"), current):
                 saved = MGRITOptions(**saved_k[which])
                 if _options_dict(saved) != _options_dict(cur):
                     replace_solver(seg, which, saved)
     if restore_warm and segs:
-        set_warm_states(net, mine["warm"])
+        net.set_warm_states(mine["warm"])
     if restore_rng:
         set_rng_state(mine["rng"])
 

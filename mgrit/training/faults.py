@@ -67,8 +67,8 @@ from mpi4py import MPI
 from ..collective import guarded, set_failure_reporter
 
 __all__ = ["PHASES", "COLLECTIVE_PHASES", "HINTS", "phase", "current_phase", "fail_fast",
-           "failure_line", "maybe_inject", "InjectedFault", "instrument_resnet",
-           "instrument_solver", "abort_quietly", "set_log_dir", "ENV"]
+           "failure_line", "maybe_inject", "InjectedFault", "abort_quietly", "set_log_dir",
+           "ENV"]
 
 ENV = "LAYERPAR_INJECT_FAULT"
 PHASES = ("forward relaxation", "coarse solve", "adjoint", "pipelined forward", "pipelined adjoint",
@@ -346,38 +346,3 @@ def fail_fast(comm: MPI.Comm | None = None, exit_code: int = 1, *,
     hook._layerpar_fail_fast = True
     sys.excepthook = hook
     threading.excepthook = thread_hook
-
-
-# -- phase tags on the solvers of a LayerParallelResNet ---------------------------------------
-def instrument_solver(solver, relax_phase: str, coarse_phase: str | None = None) -> None:
-    """Wrap ``solver.solve`` and its recursive ``_cycle`` (instance attributes, the class is
-    untouched) so that work on the coarsest level runs in ``coarse_phase`` and everything else
-    in ``relax_phase``. Idempotent. (The one patch of a private method left: the solver has no
-    public per-level hook yet.)"""
-    if getattr(solver, "_layerpar_phases", None) == (relax_phase, coarse_phase):
-        return
-    cls = type(solver)
-    coarse_phase = coarse_phase or relax_phase
-
-    def solve(*args, **kwargs):
-        with phase(relax_phase):
-            return cls.solve(solver, *args, **kwargs)
-
-    def _cycle(l, *args, **kwargs):
-        name = coarse_phase if solver.hierarchy.levels[l].is_coarsest else relax_phase
-        with phase(name):
-            return cls._cycle(solver, l, *args, **kwargs)
-
-    solver.solve, solver._cycle = solve, _cycle
-    solver._layerpar_phases = (relax_phase, coarse_phase)
-
-
-def instrument_resnet(resnet) -> None:
-    """Tag the forward solve of a :class:`~mgrit.nn.LayerParallelResNet` as
-    ``"forward relaxation"`` / ``"coarse solve"`` and the backward solve as ``"adjoint"``;
-    the one-level exact path (no solve) as ``"pipelined forward"`` / ``"pipelined adjoint"``
-    through the model's public ``phase_hook``. Re-applied automatically by
-    :func:`mgrit.training.nets.replace_solver` after it rebuilds a solver. Idempotent."""
-    instrument_solver(resnet.forward_solver, "forward relaxation", "coarse solve")
-    instrument_solver(resnet.backward_solver, "adjoint", "adjoint")
-    resnet.phase_hook = phase

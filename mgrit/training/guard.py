@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
-from .nets import replace_solver, segments, solver_states
+from .nets import as_net
+from .solvers import replace_solver, solver_states
 
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
     from ..nn import LayerParallelResNet
@@ -132,7 +133,7 @@ def name_nonfinite(net, which: str, step: int, exc: FloatingPointError):
     ``FloatingPointError`` naming the first global layer whose state (or adjoint) is not
     finite, with ``exc``'s text appended; ``None`` if every state is finite or ``net`` is
     serial. Collective over the layer communicator (one small allgather per segment)."""
-    segs = segments(net)
+    segs = as_net(net).solver_segments()
     m = re.search(r"after cycle (\d+)", str(exc))
     for k, seg in enumerate(segs):
         cur = solver_states(seg, which)
@@ -305,7 +306,7 @@ class ConvergenceGuard:
     def on_after_backward(self, trainer: Trainer, record: StepRecord) -> None:
         """Check the step's MGRIT results, per segment (layer-parallel networks only; the
         replicas agree; a replica with an empty shard only joins the agreement)."""
-        segs = segments(trainer.net)
+        segs = trainer.net.solver_segments()
         for k, seg in enumerate(segs):
             results = record.solves[k] if record.solves else (None, None)
             prefix = "" if len(segs) == 1 else f"segment{k}."

@@ -33,10 +33,12 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
+from ..nn.protocol import NetMixin
+
 __all__ = ["TrainingMethod", "MethodOptimizer"]
 
 
-class TrainingMethod(nn.Module):
+class TrainingMethod(NetMixin, nn.Module):
     """Base class of a training method run by :class:`~mgrit.training.Trainer` in place of a
     network: the method updates its parameters itself in :meth:`train_step`.
 

@@ -1,5 +1,6 @@
-"""The training loop: :class:`Trainer` -- one step (:meth:`Trainer.step`), evaluation, and
-:meth:`Trainer.fit` (epochs with checkpoint/resume and callbacks), the same code for a
+"""The training loop: :class:`Trainer` -- one step (:meth:`Trainer.step`), evaluation,
+checkpoints, and :meth:`Trainer.fit` (epochs with checkpoint/resume and callbacks, in
+:mod:`mgrit.training.fit`), the same code for a
 :class:`~mgrit.nn.LayerParallelNet`, a serial ``nn.Module`` and a
 :class:`~mgrit.training.method.TrainingMethod` (layer-wise training: its own updates)."""
 from __future__ import annotations
@@ -7,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import time
-import warnings
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
@@ -22,14 +21,14 @@ from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, 
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
 from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
-from .epoch import EpochAccumulator, UnconvergedWarning
 from .faults import phase
+from .fit import FitLoop, _positive_int
 from .guard import name_nonfinite
 from .method import TrainingMethod
-from .nets import (as_net, check_tied_replicas, describe_solvers, exact_tolerance, instrument,
-                   replicated_parameters, solver_results, solver_summary, tied_duplicates)
-from .records import HISTORY_KEYS, FitPlan, FitResult, StepRecord
-from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
+from .nets import as_net
+from .records import StepRecord
+from .schedule import as_tensors
+from .solvers import instrument
 
 if TYPE_CHECKING:  # annotations only
     from data import Split
@@ -42,13 +41,7 @@ def _zero_loss(out, target):
     return out.sum() * 0.0
 
 
-def _positive_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise ValueError(f"{name}={v!r} is not allowed: use an int >= {minimum}")
-    return int(v)
-
-
-class Trainer:
+class Trainer(FitLoop):
     """Train ``net`` with ``optimizer`` on the ranks of ``grid``.
 
     One step (:meth:`step`): ``zero_grad``, forward, ``net.loss``, backward, the
@@ -81,7 +74,7 @@ class Trainer:
             None: no accuracy), reported divided by the number of samples as ``train_acc`` /
             ``test_acc``. Default None: correct argmax classifications of a 2-D output
             against 1-D integer labels (None for other outputs). A language model passes
-            :func:`mgrit.training.lm.token_accuracy`.
+            :func:`mgrit.models.lm.token_accuracy`.
         clip_grad_norm: clip the gradients to this global norm (2-norm over the whole model,
             after the data-parallel averaging) before every optimizer step, as
             ``torch.nn.utils.clip_grad_norm_`` on the serial model (see
@@ -219,7 +212,7 @@ class Trainer:
         out = loss = None
         if n or self._bn:  # synchronized BatchNorm: an empty shard joins its collectives
             out, loss = self._forward_backward(x, y, rec.weight)
-            rec.solves = solver_results(self.net) if n else []
+            rec.solves = self.net.solver_results() if n else []
         elif self._sync is not None:  # an empty shard joins the replicas' buffer verdict
             self._sync.begin_step()
             self._sync.end_step()
@@ -230,8 +223,8 @@ class Trainer:
         if self.clip_grad_norm is not None:  # global norm: layer ranks, after the averaging
             self.grad_norm = float(clip_grad_norm_(self.net, self.clip_grad_norm,
                                                    self.grid.layer_comm,
-                                                   replicated=replicated_parameters(self.net),
-                                                   counted_elsewhere=tied_duplicates(self.net)))
+                                                   replicated=self.net.replicated_parameters(),
+                                                   counted_elsewhere=self.net.tied_duplicates()))
         self.optimizer.step()
         self.steps_done += 1
         if n:
@@ -338,117 +331,3 @@ class Trainer:
                 cb.load_state_dict(saved[key])
         self.steps_done = int(loaded.extra.get("steps", 0))
         return loaded
-
-    # -- fit --------------------------------------------------------------------------------
-    def fit(self, train: Split | Sequence[np.ndarray | torch.Tensor], *, epochs: int,
-            batch_size: int, seed: int = 0,
-            test: Split | Sequence[np.ndarray | torch.Tensor] | None = None,
-            resume: str | os.PathLike | None = None) -> FitResult:
-        """Train for ``epochs`` epochs over ``train`` (a :class:`data.Split` or ``(x, y)``:
-        inputs ``(n, *in_shape)`` converted to the network's dtype, targets ``(n,)``, e.g.
-        int64 labels; the same on every rank) in global batches of ``batch_size`` drawn with
-        ``seed`` (see
-        :mod:`mgrit.training.schedule`; every sample of every epoch is used), evaluating on
-        ``test`` before training and after every epoch. ``resume``: a checkpoint to continue
-        from (its data, batch size and seed must equal these; any grid). Collective.
-
-        Raises:
-            ValueError: bad arguments (every rank, before communicating), a checkpoint that
-                does not match; exceptions of the network, loss and callbacks propagate.
-        """
-        epochs = _positive_int("epochs", epochs)
-        batch_size = _positive_int("batch_size", batch_size)
-        seed = _positive_int("seed", seed, 0)
-        x, y = as_tensors(train, self._dtype, "train")
-        tx, ty = (None, None) if test is None else as_tensors(test, self._dtype, "test")
-        n, nb = len(y), batches_per_epoch(len(y), batch_size)
-        expect = {"training data": fingerprint(x, y), "batch size": batch_size, "seed": seed}
-        self.history = hist = {k: [] for k in HISTORY_KEYS}
-        if resume is not None:
-            start_epoch, start_batch, acc_state, notes, initial = self._resume(resume, expect)
-        else:
-            start_epoch = start_batch = 0
-            acc_state, notes = None, []
-            initial = (None, None) if tx is None else self._evaluate(tx, ty)
-        n_params = sum(p.numel() for p in self.net.parameters())
-        plan = FitPlan(epochs=epochs, batch_size=batch_size, seed=seed, n_train=n,
-                       n_test=0 if ty is None else len(ty), batches_per_epoch=nb,
-                       parameters=int(self.grid.layer_comm.allreduce(n_params)),
-                       start_epoch=start_epoch, start_batch=start_batch,
-                       initial_test_acc=initial[0], initial_test_loss=initial[1],
-                       resumed_from=None if resume is None else os.fspath(resume), notes=notes,
-                       solvers=describe_solvers(self.net))
-        self.plan = plan
-        self._call("on_fit_start", plan)
-        tol = exact_tolerance(self.net)
-        for epoch in range(start_epoch, epochs):
-            self.net.train()
-            acc = EpochAccumulator(acc_state if epoch == start_epoch else None)
-            t0 = time.perf_counter()
-            batches = epoch_batches(n, batch_size, seed, epoch, self.grid.data_rank,
-                                    self.grid.data_size)
-            first = start_batch if epoch == start_epoch else 0  # > 0: resumed mid-epoch
-            xe = x
-            if self.method is not None:
-                self.method.begin_epoch(epoch, epochs, [len(i) for i, _ in batches[first:]])
-                xe = self.method.inputs(x)
-            for b, (idx, glen) in enumerate(batches):
-                if b < first:
-                    continue  # done before the checkpoint we resumed from
-                self.position = (epoch, b)
-                with phase("data loading"):
-                    j = torch.as_tensor(idx)
-                    xb, yb = xe[j], y[j]
-                    if self._device.type != "cpu":
-                        xb, yb = xb.to(self._device), yb.to(self._device)
-                rec = self._step(xb, yb, len(idx) / glen, epoch, b)
-                if rec.loss is not None:  # (a method's ranks without the output: nothing)
-                    acc.add(rec, tol is not None)
-                if self.checkpoint and self.checkpoint_every \
-                        and self.steps_done % self.checkpoint_every == 0:
-                    self._save_fit(epoch, b + 1, acc, hist, expect, initial)
-            if self.method is not None:
-                self.method.end_epoch()
-            t_epoch = time.perf_counter() - t0
-            tot = self.net.from_last(self.grid.data_comm.allreduce(acc.totals()))
-            t1 = time.perf_counter()
-            test_acc, test_loss = (None, None) if tx is None else self._evaluate(tx, ty)
-            t_eval = time.perf_counter() - t1
-            t_epoch = self.grid.comm.allreduce(t_epoch, op=MPI.MAX)  # the slowest rank's
-            rec = acc.record(epoch + 1, tot, test_acc, test_loss, t_epoch, t_eval, tol)
-            if rec.warnings and self.is_root:
-                for w in rec.warnings:
-                    warnings.warn(w, UnconvergedWarning, stacklevel=2)
-            for k, v in rec.metrics().items():
-                hist[k].append(v)
-            self._call("on_epoch_end", rec)
-            check_tied_replicas(self.net)  # weight-tied layers across ranks: still identical
-            if self.checkpoint:
-                self._save_fit(epoch + 1, 0, EpochAccumulator(), hist, expect, initial)
-        final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
-        final["initial_test_acc"] = initial[0]
-        result = FitResult(history=hist, final=final, steps=self.steps_done, plan=plan,
-                           solver_stats=solver_summary(self.net))
-        self._call("on_fit_end", result)
-        return result
-
-    def _resume(self, path, expect: dict) -> tuple:
-        """Load ``path`` for :meth:`fit`: ``(start epoch, start batch, this replica's epoch
-        accumulator state, notes, initial test metrics)``; the history goes to
-        :attr:`history`."""
-        with phase("checkpoint"):
-            loaded = self.load(path, expect=expect)
-        extra = loaded.extra
-        for k in self.history:
-            self.history[k].extend(extra["history"].get(k, []))
-        pos = extra["position"]
-        self.saved_at = (int(pos[0]), int(pos[1]))
-        return (int(pos[0]), int(pos[1]), EpochAccumulator.state_for(extra["accum"], self.grid),
-                list(loaded.notes), tuple(extra["initial"]))
-
-    def _save_fit(self, epoch, batch, acc, hist, expect, initial) -> None:
-        accum = self.net.from_last(self.grid.data_comm.allgather(acc.state()))
-        self.save(self.checkpoint, {"position": [epoch, batch], "history": hist,
-                                    "accum": accum, "initial": list(initial), **expect})
-        self.saved_at = (epoch, batch)
-

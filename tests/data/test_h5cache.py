@@ -316,7 +316,7 @@ def test_corrupted_cache_is_an_error_naming_the_file(digits_cache, tmp_path, cap
     data loading, verify) fails naming the file; intact chunks still read exactly."""
     import torch
 
-    from mgrit.training.job import JobConfig, _load
+    from layerpar.job import JobConfig, _load
 
     for key in ("x", "y"):
         with h5py.File(digits_cache / "digits-train.h5", "r") as f:

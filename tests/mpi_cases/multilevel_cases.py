@@ -15,7 +15,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, ResidualS
 from mgrit.nn.depth import DepthTransfer, prolong, restrict, transfer_weights
 from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid
-from mgrit.training.mgopt import MGOpt, MGOptOptions
+from mgrit.multilevel.mgopt import MGOpt, MGOptOptions
 
 COMM = MPI.COMM_WORLD
 DT = torch.float64

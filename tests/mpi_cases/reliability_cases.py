@@ -21,7 +21,7 @@ from mgrit.parallel import ProcessGrid
 from mgrit.training import checkpoint_io
 from mgrit.training.checkpoint import load_checkpoint, save_checkpoint
 from mgrit.training.guard import ConvergenceGuard
-from mgrit.training.nets import replace_solver, solver_states
+from mgrit.training.solvers import replace_solver, solver_states
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 

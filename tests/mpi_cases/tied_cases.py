@@ -274,10 +274,10 @@ def check_checkpoint():
 
 
 def check_job_tied_resnet():
-    """The main job's --tied ResNet (mgrit.training.models, moved to float64 with .to()):
+    """The main job's --tied ResNet (mgrit.models, moved to float64 with .to()):
     layer-parallel gradients equal its serial twin's, one step module for all layers."""
-    from mgrit.training.jobconfig import JobConfig
-    from mgrit.training.models import build_model
+    from layerpar.jobconfig import JobConfig
+    from mgrit.models import build_model
     cfg = JobConfig(tied=True, layers=5, width=4, tol=1e-13, levels=2, cfactor=2, seed=2)
     net = build_model("resnet", cfg, (1, 8, 8), 3, comm=COMM).to(DT)
     ser = build_model("resnet", cfg, (1, 8, 8), 3).to(DT)

@@ -3,7 +3,7 @@ written as plain loops here -- model construction as the job documents it (openi
 with ``seed``, closing with ``seed + 7919``, layer ``k`` with ``layer_seed(seed, k)``), the
 global-batch schedule ``default_rng([seed, epoch]).permutation(n)`` sharded with
 ``np.array_split``, zero_grad / forward / loss / backward / weighted gradient averaging /
-step -- without :class:`mgrit.training.Trainer`, :mod:`mgrit.training.models` or the job's
+step -- without :class:`mgrit.training.Trainer`, :mod:`mgrit.models` or the job's
 code. Each returns per-epoch ``[loss, train_acc, test_acc, test_loss]``."""
 from __future__ import annotations
 

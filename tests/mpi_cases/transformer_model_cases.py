@@ -1,5 +1,5 @@
 """Rank-side checks of the main job's staged ResNet, ViT and character-level GPT
-(``mgrit.training.transformer_models``), run by ``tests/test_models_transformer.py`` on 2 ranks.
+(``mgrit.models.transformer``), run by ``tests/test_models_transformer.py`` on 2 ranks.
 
 * exact mode (float64, MGRIT to 1e-13): the layer-parallel network from the job's builder
   against its serial form from the same builder -- output, loss, every parameter gradient by
@@ -26,10 +26,10 @@ from torch.nn import functional as F
 
 from mgrit.nn import LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
-from mgrit.training.jobconfig import JobConfig
-from mgrit.training.job import run_job
-from mgrit.training.lm import lm_loss
-from mgrit.training.models import build_model
+from layerpar.jobconfig import JobConfig
+from layerpar.job import run_job
+from mgrit.models.lm import lm_loss
+from mgrit.models import build_model
 
 COMM = MPI.COMM_WORLD
 DT = torch.float64

@@ -14,6 +14,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
+from ..protocol import NetMixin
 from .parallel import ParallelGRU
 
 __all__ = ["GRUSequenceClassifier", "image_rows"]
@@ -30,7 +31,7 @@ def image_rows(images: torch.Tensor) -> torch.Tensor:
                      f"or (n, H, W) single-channel images")
 
 
-class GRUSequenceClassifier(nn.Module):
+class GRUSequenceClassifier(NetMixin, nn.Module):
     """``head(h_N)`` with ``h_N`` the final hidden state of a :class:`ParallelGRU`.
 
     Args:

@@ -99,6 +99,10 @@ class ParallelGRU(nn.Module):
         last_forward, last_backward: :class:`~mgrit.solver.MGRITResult` of the latest solves.
     """
 
+    #: its weights are replicas on every time rank (summed there in backward): the network
+    #: protocol's ``replicated_parameters`` lists them (:mod:`mgrit.nn.protocol`)
+    replicated_weights = True
+
     def __init__(self, input_size: int, hidden_size: int, comm: MPI.Comm | None = None,
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  warm_start: bool | None = None, bias: bool = True, coarse: str = "power"):

@@ -92,7 +92,7 @@ class SolverControls:
         are kept (the fine points do not change). Changing levels switches between MGRIT and
         the one-level exact path (:attr:`n_levels`) from the next forward on. Phase tags set
         on a solver instance from outside are not carried over
-        (:func:`mgrit.training.nets.replace_solver` re-applies them).
+        (:func:`mgrit.training.solvers.replace_solver` re-applies them).
 
         Raises:
             ValueError: an option set that is not ``MGRITOptions``, or a multilevel backward

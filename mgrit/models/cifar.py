@@ -1,5 +1,5 @@
 """The CIFAR-style ResNet of He et al. (2016, "Deep residual learning for image recognition",
-Sec. 4.2) as a layer-parallel network, registered as ``--model cifar-resnet``.
+Sec. 4.2) as a layer-parallel network, ``--model cifar-resnet``.
 
 Stem ``conv3x3(C -> c) - BN - ReLU``; three stages of ``--layers`` basic blocks each, on ``c``,
 ``2c``, ``4c`` channels (``c = --channels``; He et al.'s ResNet-20/32/56 are ``c = 16`` and
@@ -16,7 +16,7 @@ BatchNorm inside the chains follows :mod:`mgrit.nn.steps.batchnorm` (batch stati
 application, running statistics once per training forward, the global batch over data-parallel
 replicas); in inexact mode (``--tol 0``) the running statistics come from the approximate final
 states. ``--step``, ``--kernel`` and ``--activation`` are not used. Seeds as in
-:mod:`mgrit.training.transformer_models` (rank-count independent; the serial form has the same
+:mod:`mgrit.models.transformer` (rank-count independent; the serial form has the same
 state-dict keys).
 """
 from __future__ import annotations
@@ -25,8 +25,7 @@ import copy
 
 from torch import nn
 
-from . import transformer_models as _tm  # its helpers, read at call time (import circle)
-from .models import register
+from . import transformer as _tm  # its segment assembly helpers
 
 __all__ = ["BasicBlockStep", "build_cifar_resnet", "STAGE_WIDTHS"]
 
@@ -60,7 +59,6 @@ def _conv_bn_relu(c_in: int, c_out: int, stride: int) -> nn.Sequential:
                          nn.BatchNorm2d(c_out), nn.ReLU())
 
 
-@register("cifar-resnet")
 def build_cifar_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     """He et al.'s CIFAR ResNet (module doc): ``cfg.channels``, ``cfg.layers`` blocks per
     stage, ``h = 1``. Raises ValueError for non-image data or ``form="layers"``."""

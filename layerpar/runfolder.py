@@ -3,10 +3,10 @@
 
 A run folder (``--out``, default ``runs/<method>-<timestamp>``) holds :data:`RUN_FILES`:
 ``config.json`` (the settings and the run's facts; :meth:`JobConfig.from_json
-<mgrit.training.jobconfig.JobConfig.from_json>`), ``console.log`` (rank 0's console, without
+<layerpar.jobconfig.JobConfig.from_json>`), ``console.log`` (rank 0's console, without
 progress bars), ``metrics.h5`` / ``metrics.csv`` (per epoch, epoch 0 = before training) and
 ``steps.csv`` (per optimizer step), ``summary.json``, ``curves.png``, ``model.pt`` (the final
-weights; :func:`mgrit.training.export.load_run` makes a plain PyTorch model of it),
+weights; :func:`layerpar.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
 ``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
 (``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .nets import exact_tolerance, segments
+from mgrit.training.nets import as_net
 
 __all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
 
@@ -133,12 +133,13 @@ def eval_solve(net, method: str, model: str = "", gru_eval_rtol: float = 0.0) ->
     if model == "gru" and method == "mgrit":
         return (f"MGRIT forward in time to relative residual {gru_eval_rtol:g}"
                 if gru_eval_rtol > 0 else "MGRIT forward in time with the training cycles")
-    segs = segments(net)
+    net = as_net(net)
+    segs = net.solver_segments()
     if not segs:
         return "serial forward (exact)"
     if all(s.forward_solver.hierarchy.n_levels == 1 for s in segs):
         return "one-level forward, layers in order across the ranks (exact)"
-    tol = exact_tolerance(net)
+    tol = net.exact_tolerance()
     if tol is not None:
         return f"MGRIT forward iterated to tolerance {tol:g} (exact up to it)"
     o = segs[0].fwd_opts

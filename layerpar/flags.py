@@ -1,18 +1,18 @@
 """The flags of the main job (``experiments/train.py``): one argparse group per concern (data,
 network, transformers, recurrent, multilevel initialization, MGRIT, training, parallelism,
 reliability and output), each flag with its default (from :class:`JobConfig`) and advice.
-:func:`job_parser` gives the :class:`~mgrit.training.cli.JobParser`; a script's ``main`` calls
-its ``parse_config`` and :func:`mgrit.training.job.run_job`."""
+:func:`job_parser` gives the :class:`~layerpar.cli.JobParser`; a script's ``main`` calls
+its ``parse_config`` and :func:`layerpar.job.run_job`."""
 from __future__ import annotations
 
 import argparse
 
 from data import TEXT_CORPORA
+from mgrit.models import MODELS
 
 from .cli import JobParser
 from .job import OPTIMIZERS
 from .jobconfig import BIAS_ACTIONS, BUNDLED, METHODS, JobConfig
-from .models import MODELS
 
 __all__ = ["job_parser"]
 
@@ -20,7 +20,7 @@ D = JobConfig()  # the defaults
 
 
 def job_parser(prog: str = "experiments/train.py") -> JobParser:
-    """The main job's parser: every flag of :class:`~mgrit.training.jobconfig.JobConfig` with
+    """The main job's parser: every flag of :class:`~layerpar.jobconfig.JobConfig` with
     its default and advice (``experiments/train.py --help`` prints it); ``parse_config`` turns
     the flags into a validated config."""
     p = JobParser(prog=prog, description="Train a deep ResNet layer-parallel "
@@ -40,7 +40,7 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    help="use only the first N test samples (0 = all)")
     g = p.add_argument_group("network")
     g.add_argument("--model", choices=sorted(MODELS), default=D.model,
-                   help="network family (mgrit.training.models)")
+                   help="network family (mgrit.models)")
     g.add_argument("--step", choices=("dense", "conv", "twoconv"), default=D.step,
                    help="residual step F: dense act(Wx+b), conv act(K*x+b), twoconv "
                         "act(K2*act(K1*x)) (TorchBraid's MNIST block)")
@@ -75,7 +75,7 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
     g.add_argument("--drop-path", type=float, default=D.drop_path, help="vit/gpt: stochastic "
                    "depth, probability of dropping a block's branch per sample (0 = off; ViTs "
                    "use 0.1 for deep models)")
-    g = p.add_argument_group("recurrent (--model gru; mgrit.training.recurrent_models)")
+    g = p.add_argument_group("recurrent (--model gru; mgrit.models.recurrent)")
     g.add_argument("--hidden", type=int, default=D.hidden, help="GRU hidden size")
     g.add_argument("--seq-len", type=int, default=D.seq_len, help="--dataset adding: time "
                    "steps per sequence")

@@ -1,5 +1,5 @@
 """The ordinary modules around the layer-parallel encoder/decoder stacks of the main job's
-transformers (:mod:`mgrit.training.transformer_models`): embeddings that turn the input into
+transformers (:mod:`mgrit.models.transformer`): embeddings that turn the input into
 the segment's state ``(batch, tokens, d_model)``, and heads that turn the final state into
 logits. They run serially on one layer rank (the first before the segment, the last after it;
 see :mod:`mgrit.nn.net`).

@@ -11,7 +11,7 @@ produced its reported test metrics).
 Command line (saves the whole module with ``torch.save``; load it with
 ``torch.load(path, weights_only=False)``, or keep ``state_dict()`` for a safe load)::
 
-    python -m mgrit.training.export RUN_DIR model_serial.pt [--checkpoint checkpoint.pt]
+    python -m layerpar.export RUN_DIR model_serial.pt [--checkpoint checkpoint.pt]
 
 Reading the run folder runs no code from it (JSON, and checkpoints loaded with
 ``weights_only=True``).
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint
+from mgrit.models import build_model
+from mgrit.training.checkpoint import load_checkpoint
+
 from .jobconfig import JobConfig, read_config, run_facts
-from .models import build_model
 
 __all__ = ["load_run", "main"]
 
@@ -77,8 +78,8 @@ def load_run(run_dir, checkpoint: str | None = None) -> nn.Module:
 
 
 def main(argv=None) -> int:
-    """``python -m mgrit.training.export RUN_DIR OUT.pt [--checkpoint FILE]``."""
-    p = argparse.ArgumentParser(prog="python -m mgrit.training.export",
+    """``python -m layerpar.export RUN_DIR OUT.pt [--checkpoint FILE]``."""
+    p = argparse.ArgumentParser(prog="python -m layerpar.export",
                                 description="Save a run folder's trained network as a plain "
                                             "PyTorch module (torch.save of load_run(RUN_DIR)).")
     p.add_argument("run_dir", help="run folder of experiments/train.py (--out)")

@@ -38,10 +38,10 @@ import dataclasses
 import time
 
 from ..nn.depth import PROLONGATIONS, transfer_weights
-from .checkpoint_io import read_file
-from .faults import phase
-from .metrics import MetricsWriter, write_metrics
-from .records import HISTORY_KEYS
+from ..training.checkpoint_io import read_file
+from ..training.faults import phase
+from ..training.metrics import MetricsWriter, write_metrics
+from ..training.records import HISTORY_KEYS
 
 __all__ = ["depth_schedule", "epoch_schedule", "LevelHistory", "MultilevelMetricsWriter",
            "resume_level", "run_schedule", "FACTOR", "LEVEL_KEYS"]

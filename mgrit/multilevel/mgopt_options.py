@@ -1,4 +1,4 @@
-"""Settings and per-cycle record of the MG/Opt driver (:mod:`mgrit.training.mgopt`)."""
+"""Settings and per-cycle record of the MG/Opt driver (:mod:`mgrit.multilevel.mgopt`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -10,7 +10,7 @@ one-layer GRU of ``--hidden`` units, then a linear head on the final hidden stat
 * ``--method mgrit``: :class:`GRUNet`, a :class:`~mgrit.nn.gru.classifier.GRUSequenceClassifier`
   whose :class:`~mgrit.nn.gru.ParallelGRU` is solved by MGRIT over the time steps, distributed
   over the layer ranks (here: time ranks), forward and adjoint. Its MGRIT options are the main
-  job's (:func:`mgrit.training.models.mgrit_options`: ``--levels``, ``--cfactor``, ``--relax``,
+  job's (:func:`mgrit.models.mgrit_options`: ``--levels``, ``--cfactor``, ``--relax``,
   ``--fwd-iters``, ``--bwd-iters``, ``--tol``). Evaluation forwards (``eval()`` mode, no grad)
   in inexact mode iterate to the relative tolerance ``--gru-eval-rtol`` (FCF, at most 50
   cycles) instead of the training's fixed cycles: trained GRUs converge slowly under MGRIT
@@ -36,7 +36,7 @@ sequences generated from ``--seed`` (streams 0 and 1). It is a regression: one o
 squared error loss (:func:`regression_loss`), no accuracy (``NaN`` in the metrics); the constant
 prediction 1 scores MSE 1/6.
 
-Depends on torch, mpi4py, :mod:`mgrit.nn`, :mod:`data` and :mod:`mgrit.training.models`.
+Depends on torch, mpi4py, :mod:`mgrit.nn` and :mod:`data`.
 """
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ from data.sequences import ADDING_BASELINE_MSE, make_adding_problem
 
 from ..nn.gru.classifier import GRUSequenceClassifier, image_rows
 from ..options import MGRITOptions
-from .jobconfig import SEQUENCE_TASKS
-from .models import mgrit_options, register
+from .options import mgrit_options
 
 __all__ = ["GRUNet", "SerialGRUNet", "GRUSolverLog", "sequence_shape", "as_sequences",
            "load_sequence_task", "regression_loss", "SEQUENCE_TASKS", "ADDING_TRAIN",
            "ADDING_TEST", "ADDING_BASELINE_MSE"]
 
+#: The generated sequence tasks (``--dataset``) of ``--model gru``.
+SEQUENCE_TASKS = ("adding",)
 #: Default numbers of generated training / test sequences of ``--dataset adding``.
 ADDING_TRAIN, ADDING_TEST = 4000, 1000
 
@@ -175,11 +176,10 @@ def _eval_options(cfg) -> MGRITOptions | None:
                         rtol=cfg.gru_eval_rtol, max_iter=50)
 
 
-@register("gru")
 def build_gru(cfg, in_shape, num_classes, comm=None, form="network"):
     """``--model gru`` (module doc): ``cfg.hidden`` units, ``num_classes`` outputs (1 for a
     regression), weights from ``manual_seed(cfg.seed)``; layer-parallel over ``comm`` (time
-    ranks) with :func:`~mgrit.training.models.mgrit_options`, ``cfg.warm_start``,
+    ranks) with :func:`~mgrit.models.mgrit_options`, ``cfg.warm_start``,
     ``cfg.gru_coarse`` and evaluation to ``cfg.gru_eval_rtol``; :class:`SerialGRUNet` when
     ``comm`` is None.
 
@@ -201,7 +201,7 @@ def build_gru(cfg, in_shape, num_classes, comm=None, form="network"):
     if fwd.sweeps(0) == 0 and comm.Get_rank() == 0:
         warnings.warn("--model gru with F-relaxation on the fine level: trained GRUs converge "
                       "slowly under MGRIT and inexact F-relaxed cycles train worse than serial; "
-                      "use --relax FCF (see mgrit.training.recurrent_models)", stacklevel=2)
+                      "use --relax FCF (see mgrit.models.recurrent)", stacklevel=2)
     return GRUNet(features, cfg.hidden, num_classes, comm=comm, eval_options=_eval_options(cfg),
                   forward=fwd, backward=bwd, warm_start=cfg.warm_start, coarse=cfg.gru_coarse)
 

@@ -1,7 +1,7 @@
 """Command-line plumbing of the main job on many ranks: :class:`JobParser`, an
 ``argparse.ArgumentParser`` that prints help, usage and errors once (rank 0) and ends the whole
 job with argparse's status, and turns the flags into a validated
-:class:`~mgrit.training.jobconfig.JobConfig`."""
+:class:`~layerpar.jobconfig.JobConfig`."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ import time
 
 from mpi4py import MPI
 
-from .faults import abort_quietly
+from mgrit.training.faults import abort_quietly
+
 from .jobconfig import JobConfig
 
 __all__ = ["JobParser", "HelpFormatter"]

@@ -1,5 +1,5 @@
-"""The main job's multi-segment and transformer networks, registered in
-:data:`mgrit.training.models.MODELS` (``--model staged-resnet|vit|gpt``).
+"""The main job's multi-segment and transformer networks, listed in
+:data:`mgrit.models.MODELS` (``--model staged-resnet|vit|gpt``).
 
 * ``staged-resnet``: a conv ResNet in three stages (stem, segment, strided transition,
   segment, strided transition, segment, head), e.g. channels 4 -> 8 -> 16 and 28 -> 14 -> 7
@@ -31,8 +31,7 @@ part ``i`` of a staged network). The serial form is ``nn.Sequential`` of the sam
 the segments' layers as ``ResidualStep`` s, so its state-dict keys equal the layer-parallel
 network's global keys (checkpoints load into each other).
 
-Depends on torch, :mod:`mgrit.nn` and :mod:`mgrit.training.models` (whose module imports this
-one at its end to register the builders).
+Depends on torch and :mod:`mgrit.nn`; listed in :data:`mgrit.models.registry.MODELS`.
 """
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ from torch import nn
 from ..nn import LayerParallelNet, LayerParallelResNet, ResidualStep, TransformerStep, make_step
 from ..nn.resnet.seeding import serial_resnet
 from ..nn.steps import activation
-from .jobconfig import LANGUAGE_MODELS
-from .models import mgrit_options, register
+from .options import mgrit_options
 from .transformer_parts import ClassTokenHead, LMHead, PatchEmbedding, TokenEmbedding
 
-__all__ = ["build_staged_resnet", "build_vit", "build_gpt", "LANGUAGE_MODELS", "STAGE_WIDTHS",
+__all__ = ["build_staged_resnet", "build_vit", "build_gpt", "STAGE_WIDTHS",
            "describe_model"]
 
 #: Channel multiplier of each stage of the staged ResNet (``--channels`` times these).
@@ -110,7 +108,6 @@ def _block(cfg, causal: bool):
                            drop_path=getattr(cfg, "drop_path", 0.0))
 
 
-@register("staged-resnet")
 def build_staged_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     """Stem ``Conv2d(C, c, k, padding=k//2)`` + activation -> segment 1 (``cfg.layers``
     ``--step`` layers on ``c`` channels at ``H x W``) -> ``Conv2d(c, 2c, 3, stride=2,
@@ -140,7 +137,6 @@ def build_staged_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     return _assemble(parts, cfg, comm)
 
 
-@register("vit")
 def build_vit(cfg, in_shape, num_classes, comm=None, form="network"):
     """:class:`PatchEmbedding` (``cfg.patch`` x ``cfg.patch`` patches, class token, learned
     positions; ``d_model``) -> ``cfg.layers`` pre-LN encoder blocks (``cfg.heads`` heads,
@@ -159,7 +155,6 @@ def build_vit(cfg, in_shape, num_classes, comm=None, form="network"):
     return _assemble([embed, seg, head], cfg, comm)
 
 
-@register("gpt")
 def build_gpt(cfg, in_shape, num_classes, comm=None, form="network"):
     """:class:`TokenEmbedding` (``num_classes`` = vocabulary, ``cfg.context`` positions) ->
     ``cfg.buffer_layers`` serial causal blocks -> ``cfg.layers`` layer-parallel causal blocks

@@ -1,10 +1,10 @@
 """The main job (``experiments/train.py``) as one call: :func:`run_job` builds the process
-grid, the run directory, the data, the network (:mod:`mgrit.training.models`), the optimizer
-and the callbacks from a :class:`~mgrit.training.jobconfig.JobConfig` and trains through
+grid, the run directory, the data, the network (:mod:`mgrit.models`), the optimizer
+and the callbacks from a :class:`~layerpar.jobconfig.JobConfig` and trains through
 :class:`~mgrit.training.Trainer`, for every method: the network and its optimizer (``--method
 serial|mgrit``) or a layer-wise training method of :func:`layerwise.build_method` (``--method
 sequential|decoupled``). Threads, the default dtype and ``fail_fast`` belong to
-the calling script. The run folder's contents: :mod:`mgrit.training.runfolder`."""
+the calling script. The run folder's contents: :mod:`layerpar.runfolder`."""
 from __future__ import annotations
 
 import contextlib
@@ -23,22 +23,23 @@ from data import TEXT_CORPORA, load_dataset, load_text
 from data.text import corpus_text, vocabulary
 from layerwise import build_method
 
-from ..parallel import ProcessGrid, device_for_rank
-from .callbacks import ConsoleLog, ProgressBar
-from .checkpoint import save_checkpoint
-from .faults import phase, set_log_dir
-from .bias import BiasMonitor
-from .guard import ConvergenceGuard
+from mgrit.models import build_model
+from mgrit.models.lm import LanguageModelReport, lm_loss, token_accuracy
+from mgrit.models.recurrent import SEQUENCE_TASKS, GRUSolverLog, load_sequence_task, regression_loss
+from mgrit.models.transformer import describe_model
+from mgrit.multilevel.initialization import MultilevelMetricsWriter, run_schedule
+from mgrit.parallel import ProcessGrid, device_for_rank
+from mgrit.training.bias import BiasMonitor
+from mgrit.training.callbacks import ConsoleLog, ProgressBar
+from mgrit.training.checkpoint import save_checkpoint
+from mgrit.training.faults import phase, set_log_dir
+from mgrit.training.guard import ConvergenceGuard
+from mgrit.training.lrschedule import LRSchedule
+from mgrit.training.metrics import MetricsWriter
+from mgrit.training.trainer import Trainer
+
 from .jobconfig import LANGUAGE_MODELS, JobConfig
-from .lm import LanguageModelReport, lm_loss, token_accuracy
-from .lrschedule import LRSchedule
-from .metrics import MetricsWriter
-from .models import build_model
-from .multilevel_init import MultilevelMetricsWriter, run_schedule
 from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
-from .recurrent_models import SEQUENCE_TASKS, GRUSolverLog, load_sequence_task, regression_loss
-from .transformer_models import describe_model
-from .trainer import Trainer
 
 __all__ = ["run_job", "OPTIMIZERS", "RUNS"]
 
@@ -140,7 +141,7 @@ class _Run:
 
 def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     """Run the main job described by ``c`` (validated) on the ranks of ``comm``; returns the
-    final metrics. Writes the run folder (rank 0; :mod:`mgrit.training.runfolder`: config,
+    final metrics. Writes the run folder (rank 0; :mod:`layerpar.runfolder`: config,
     console log, metrics per step and per epoch, summary, curves, final weights) and prints
     progress, with the forward that produced the test metrics.
 
@@ -243,14 +244,14 @@ def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_loa
         with phase("model setup"):
             net = build(c)
         final = fit(make(c, net), c, c.resume).final
-    # the final weights, for mgrit.training.export.load_run (a plain PyTorch model)
+    # the final weights, for layerpar.export.load_run (a plain PyTorch model)
     save_checkpoint(run / "model.pt", state.trainer.net, None, grid)
     return final
 
 
 def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Trainer:
     """Optimizer, callbacks and :class:`Trainer` of ``net``; ``levels``: the
-    :class:`~mgrit.training.multilevel_init.LevelHistory` of a ``--multilevel-init`` schedule
+    :class:`~mgrit.multilevel.initialization.LevelHistory` of a ``--multilevel-init`` schedule
     (first callback; one metrics writer for all levels)."""
     mgrit = c.method == "mgrit"
     if mgrit:  # the first layer-parallel segment's (the GRU's for --model gru)

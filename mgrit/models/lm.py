@@ -9,7 +9,7 @@ sequence of ``T`` tokens and its loss / score is its *mean over tokens*; all seq
 same length, so the loop's averages are exactly the per-token mean cross-entropy and the
 token accuracy.
 
-Depends on torch, :mod:`mgrit.nn` and :mod:`mgrit.training.nets`.
+Depends on torch, :mod:`mgrit.nn` and :mod:`mgrit.training`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import LayerParallelNet
-from .nets import SerialNet
-from .records import EpochRecord, FitResult
+from ..training.nets import SerialNet
+from ..training.records import EpochRecord, FitResult
 
 __all__ = ["lm_loss", "token_accuracy", "bits_per_char", "greedy_sample", "serial_module",
            "LanguageModelReport"]

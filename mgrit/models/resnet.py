@@ -1,25 +1,10 @@
-"""Registry of the networks the main job builds from its flags.
+"""The main job's ResNet (``--model resnet``): opening layer, a layer-parallel chain of residual
+steps, closing layer; the serial equivalent and the layer-wise form from the same seeds.
 
-Adding a model is one function and one registry entry::
-
-    @register("mymodel")
-    def build_mymodel(cfg, in_shape, num_classes, comm=None, form="network"):
-        ...
-
-A builder reads the attributes it needs from ``cfg`` (the main job's
-:class:`~mgrit.training.jobconfig.JobConfig`, or any object with those attributes), seeds
-every weight from ``cfg.seed`` independently of the rank count, and returns for
-
-* ``form="network"``: a :class:`~mgrit.nn.LayerParallelNet` on the layer communicator
-  ``comm``, or the equivalent serial ``nn.Module`` (same initial weights) when ``comm`` is None;
-* ``form="layers"``: a list of blocks for layer-wise training (``layerwise``), or
-  ``ValueError`` if the model has no such form.
-
-Builders raise ``ValueError`` (naming the flag) for configurations that do not fit the data.
+Builder contract (every builder of :data:`mgrit.models.MODELS` follows it): see
+:mod:`mgrit.models.registry`.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,54 +14,12 @@ from torch import nn
 from ..nn import (LayerParallelNet, LayerParallelResNet, ResidualStep, layer_seed, make_step,
                   serial_resnet)
 from ..nn.steps import activation
-from ..options import MGRITOptions
+from .options import mgrit_options
 
-__all__ = ["MODELS", "register", "build_model", "mgrit_options", "FORMS"]
-
-#: name -> builder ``(cfg, in_shape, num_classes, comm=None, form="network")``.
-MODELS: dict[str, Callable] = {}
-FORMS = ("network", "layers")
+__all__ = ["build_resnet", "CLOSING_SEED"]
 
 #: Offset of the closing layer's seed (``manual_seed(seed + CLOSING_SEED)``), as before.
 CLOSING_SEED = 7919
-
-
-def register(name: str) -> Callable:
-    """Decorator adding a builder to :data:`MODELS` under ``name`` (ValueError if taken)."""
-    def add(fn):
-        if name in MODELS:
-            raise ValueError(f"model {name!r} is registered already")
-        MODELS[name] = fn
-        return fn
-    return add
-
-
-def build_model(name: str, cfg, in_shape, num_classes: int, comm: MPI.Comm | None = None,
-                form: str = "network"):
-    """Build model ``name`` (see module doc). Raises ValueError for an unknown name or form."""
-    if name not in MODELS:
-        raise ValueError(f"model {name!r} is unknown: use one of {sorted(MODELS)}")
-    if form not in FORMS:
-        raise ValueError(f"form={form!r} is not allowed: use one of {list(FORMS)}")
-    return MODELS[name](cfg, tuple(in_shape), int(num_classes), comm=comm, form=form)
-
-
-def mgrit_options(cfg) -> tuple:
-    """Forward and adjoint :class:`MGRITOptions` from ``levels``, ``cfactor``, ``relax``,
-    ``skip_first_relaxation``, ``nested_iteration`` (optional attribute, default False),
-    ``tol``, ``fwd_iters``, ``bwd_iters``: ``tol = 0`` gives
-    exactly ``fwd_iters``/``bwd_iters`` cycles (inexact training), ``tol > 0`` iterates to
-    that tolerance with at most ``max(iters, 50)`` cycles (exact mode)."""
-    relax = cfg.relax if isinstance(cfg.relax, (list, tuple)) else \
-        [r.strip() for r in str(cfg.relax).split(",")]
-    common = dict(max_levels=cfg.levels, cfactor=cfg.cfactor, relax=list(relax),
-                  skip_first_relaxation=cfg.skip_first_relaxation,
-                  nested_iteration=bool(getattr(cfg, "nested_iteration", False)))
-    if cfg.tol > 0:
-        return (MGRITOptions(tol=cfg.tol, max_iter=max(cfg.fwd_iters, 50), **common),
-                MGRITOptions(tol=cfg.tol, max_iter=max(cfg.bwd_iters, 50), **common))
-    return (MGRITOptions(tol=0, max_iter=cfg.fwd_iters, **common),
-            MGRITOptions(tol=0, max_iter=cfg.bwd_iters, **common))
 
 
 def _features(cfg) -> int:
@@ -103,7 +46,6 @@ def _opening_closing(cfg, in_shape, num_classes):
     return opening, closing, state_shape
 
 
-@register("resnet")
 def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     """The main job's network: opening (``Linear`` + activation for ``--step dense``, a 3x3
     convolution + activation otherwise) -> ``cfg.layers`` residual steps
@@ -134,10 +76,3 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
                                        warm_start=cfg.warm_start,
                                        warm_start_adjoint=cfg.warm_start_adjoint, tie=tie)
     return LayerParallelNet(opening, resnet, closing)
-
-
-# the staged ResNet and the transformers register themselves (imported last: they import
-# register and mgrit_options from this module)
-from . import transformer_models  # noqa: E402,F401
-from . import recurrent_models  # noqa: E402,F401  (--model gru)
-from . import cifar_models  # noqa: E402,F401  (--model cifar-resnet)
