@@ -10,7 +10,7 @@ the install picks. Users run it as ``python -m pytest -q tests/test_pymgrit_cros
 PyMGRIT returns ``conv[conv != 0]``: exact zeros are dropped from its history. Use
 :func:`drop_exact_zeros` on our history before comparing with :func:`compare_histories`.
 
-Cases (all match ``tests/test_pymgrit_crosscheck.py`` and ``experiments/bench_pymgrit.py``):
+Cases (all match ``tests/test_pymgrit_crosscheck.py`` and ``experiments/benchmarks/bench_pymgrit.py``):
 
 * ``"dahlquist"``: u' = -u, u(0) = 1, t in [0, 5], nt = 101, backward Euler; 2 levels, m = 2,
   FCF, V-cycle, nested iteration, tol 1e-10.

@@ -20,7 +20,7 @@ TIMEOUT = 600
 def _run(script, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / script), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "benchmarks" / script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -18,8 +18,8 @@ from tests.regenerate_quick import assert_every_script_ok, run_quick
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 ONLY = ["kirby2020", "torchbraid_mnist", "convergence", "bench_pymgrit"]
+ROOMS = {"kirby2020": "reproductions", "torchbraid_mnist": "reproductions", "convergence": "studies"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_regenerate_quick_runs_every_script(quick):
 
 @pytest.mark.parametrize("study", ["kirby2020", "torchbraid_mnist", "convergence"])
 def test_study_outputs(quick, study):
-    d = quick[0] / study
+    d = quick[0] / ROOMS[study] / study
     for f in ("results.h5", "table.md", "summary.md", "headline.json"):
         assert (d / f).is_file() and (d / f).stat().st_size > 0, f"{study}: missing {f}"
     assert "commit" in (d / "table.md").read_text()
@@ -44,8 +44,8 @@ def test_study_outputs(quick, study):
 
 
 def test_kirby_summary_is_generated_from_results(quick):
-    from study_parts import read_part
-    d = quick[0] / "kirby2020"
+    from experiments.reports.study_parts import read_part
+    d = quick[0] / "reproductions" / "kirby2020"
     acc, _ = read_part(d / "results.h5", "accuracy")
     cnt, _ = read_part(d / "results.h5", "count")
     summary = (d / "summary.md").read_text()
@@ -62,18 +62,18 @@ def test_kirby_summary_is_generated_from_results(quick):
 
 
 def test_torchbraid_states_differences(quick):
-    d = quick[0] / "torchbraid_mnist"
+    d = quick[0] / "reproductions" / "torchbraid_mnist"
     summary, table = (d / "summary.md").read_text(), (d / "table.md").read_text()
     assert "Differences from the example's defaults" in summary
     assert "Differences from TorchBraid's example defaults" in table
-    from study_parts import read_part
+    from experiments.reports.study_parts import read_part
     s, meta = read_part(d / "results.h5", "run")
     for i, name in enumerate(meta["configs"]):
         assert f"{name} {s[f'cfg{i}/acc'][-1]:.4f}" in summary
 
 
 def test_pymgrit_same_problem_code(quick):
-    text = (quick[0] / "bench_pymgrit.md").read_text()
+    text = (quick[0] / "benchmarks" / "bench_pymgrit.md").read_text()
     assert "Solver vs solver on the same problem code" in text
     assert "Problem implementations apart" in text
     rows = [l for l in text.splitlines() if l.startswith("| dahlquist-L2") or l.startswith("| heat-L5")]
@@ -86,7 +86,7 @@ def test_pymgrit_same_problem_code(quick):
 
 
 def test_registry_parts_logic():
-    import regenerate as rg
+    from experiments import regenerate as rg
     e = {x.name: x for x in rg.REGISTRY}
     out = Path("/x")
     assert "--part" not in rg.command(e["kirby2020"], "full", "all", out)
@@ -96,11 +96,11 @@ def test_registry_parts_logic():
     assert rg.command(e["bench_pymgrit"], "full", "accuracy", out) is None
     assert rg.command(e["guenther2020"], "full", "timing", out) is not None  # mixed: both parts
     assert rg.command(e["bench_dataparallel"], "quick", "all", out) is None  # no quick mode yet
-    assert "/x/bench_pymgrit.md" in rg.command(e["bench_pymgrit"], "quick", "all", out)
+    assert "/x/benchmarks/bench_pymgrit.md" in rg.command(e["bench_pymgrit"], "quick", "all", out)
 
 
 def test_parts_store_keeps_other_parts(tmp_path):
-    from study_parts import parts_in, read_part, write_part
+    from experiments.reports.study_parts import parts_in, read_part, write_part
     f = tmp_path / "r.h5"
     write_part(f, "accuracy", {"a": [1.0, 2.0]}, {"commit": "c1"})
     write_part(f, "timing", {"t": [3.0]}, {"commit": "c2"})

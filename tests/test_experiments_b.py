@@ -20,7 +20,6 @@ from tests.regenerate_quick import assert_every_script_ok, run_quick
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
         "batchnorm_dropout", "tied_resnet"]
 
@@ -35,8 +34,8 @@ def test_regenerate_quick_runs_every_script(quick):
 
 
 def test_guenther_seeds_and_summary(quick):
-    from study_parts import read_part
-    d = quick[0] / "guenther2020"
+    from experiments.reports.study_parts import read_part
+    d = quick[0] / "reproductions" / "guenther2020"
     s, meta = read_part(d / "results.h5", "run")
     S = int(meta["setting_seeds"])
     assert S >= 2
@@ -56,8 +55,8 @@ def test_guenther_seeds_and_summary(quick):
 
 
 def test_layerwise_sweep_memory_and_parameters(quick):
-    from study_parts import read_part
-    d = quick[0] / "layerwise"
+    from experiments.reports.study_parts import read_part
+    d = quick[0] / "reproductions" / "layerwise"
     s, meta = read_part(d / "results.h5", "accuracy")
     n = "digits_3x16"
     lrs = meta["lrs"]
@@ -86,7 +85,7 @@ def test_layerwise_sweep_memory_and_parameters(quick):
 
 
 def test_gpu_scripts_dry_run(quick):
-    text = (quick[0] / "gpu_dry_run" / "bench_gpu.md").read_text()
+    text = (quick[0] / "benchmarks" / "gpu_dry_run" / "bench_gpu.md").read_text()
     assert "DRY RUN" in text and "fwd speedup" in text
     assert "PASS" in (quick[0] / "logs" / "gpu_check.log").read_text()
 
@@ -94,9 +93,9 @@ def test_gpu_scripts_dry_run(quick):
 def test_mainjob_record_is_generated_from_the_runs(quick):
     """compare_mainjob.py: the serial job on 1 rank and the MGRIT job on 2 ranks at the job's
     defaults; summary.md / headline.json state the numbers of the runs' own files."""
-    import regenerate as rg
+    from experiments import regenerate as rg
     from mgrit.training.jobconfig import JobConfig
-    d = quick[0] / "mnist_mgrit_vs_serial"
+    d = quick[0] / "records" / "mnist_mgrit_vs_serial"
     for f in ("table.md", "summary.md", "headline.json"):
         assert (d / f).is_file() and (d / f).stat().st_size > 0, f"missing {f}"
     runs = d / "runs"
@@ -130,7 +129,7 @@ def test_mainjob_record_is_generated_from_the_runs(quick):
     load = json.loads((runs / "resnet-serial" / "load.json").read_text())["before"]
     assert timing["ours"] == (f"serial {ts:.2f} s, MGRIT {tm:.2f} s: {tm / ts:.2f}x of serial "
                               f"(load {' '.join(f'{x:.2f}' for x in load)})")
-    assert "[mnist_mgrit_vs_serial](results/mnist_mgrit_vs_serial/summary.md)" in \
+    assert "[mnist_mgrit_vs_serial](results/records/mnist_mgrit_vs_serial/summary.md)" in \
         rg.readme_block(quick[0])
     e = {x.name: x for x in rg.REGISTRY}["mnist_mgrit_vs_serial"]
     assert rg.command(e, "full", "all", Path("/x"))[:2] == [sys.executable,
@@ -141,7 +140,7 @@ def test_stateful_records_are_generated_from_the_runs(quick):
     """stateful_records.py (issue 23): the BatchNorm ResNet and the dropout ViT, serial on 1
     rank and MGRIT on 2 with the same flags and seed; the summary states the runs' accuracies;
     the tied study runs, or says why it was skipped (no --tied flag)."""
-    d = quick[0] / "batchnorm_dropout"
+    d = quick[0] / "records" / "batchnorm_dropout"
     summary = (d / "summary.md").read_text()
     for model, flag in (("cifar-resnet", ("model", "cifar-resnet")),
                         ("vit-dropout", ("dropout", 0.1))):
@@ -153,12 +152,13 @@ def test_stateful_records_are_generated_from_the_runs(quick):
         sa, ma = ser["final"]["test_acc"] * 100, mg["final"]["test_acc"] * 100
         assert f"**{model}**: test accuracy serial {sa:.2f}% (one seed), MGRIT {ma:.2f}%" \
             in summary
-    t = quick[0] / "tied_resnet"
+    t = quick[0] / "records" / "tied_resnet"
     assert (t / "skipped.md").is_file() or (t / "summary.md").is_file()
 
 
 def test_help_flags():
-    for script in ("reproduce_guenther.py", "reproduce_layerwise.py", "compare_mainjob.py"):
+    for script in ("reproductions/reproduce_guenther.py", "reproductions/reproduce_layerwise.py",
+                   "records/compare_mainjob.py"):
         p = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--help"],
                            capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -167,7 +167,7 @@ def test_help_flags():
 
 
 def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "compare_mainjob.py"),
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / "compare_mainjob.py"),
                         "--report-only", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr

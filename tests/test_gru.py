@@ -281,8 +281,9 @@ def test_adding_problem():
 
 @pytest.mark.slow
 def test_bench_smoke(tmp_path):
-    """experiments/bench_gru.py --smoke in-process (its 2-rank part as an mpiexec subprocess)."""
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_gru.py"
+    """experiments/benchmarks/bench_gru.py --smoke in-process (its 2-rank part as an mpiexec
+    subprocess)."""
+    path = Path(__file__).resolve().parent.parent / "experiments" / "benchmarks" / "bench_gru.py"
     spec = importlib.util.spec_from_file_location("bench_gru", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -204,7 +204,7 @@ def test_options_errors():
 @pytest.mark.slow
 def test_study_multilevel_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("study_multilevel",
-                                                  ROOT / "experiments" / "study_multilevel.py")
+                                                  ROOT / "experiments" / "studies" / "study_multilevel.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.main(["--smoke", "--out", str(tmp_path)])

@@ -208,9 +208,10 @@ def test_staged_resnet_shapes_and_serial_keys():
 
 
 def test_records_report_verdicts(tmp_path):
-    """experiments/transformer_records.py's table, summary and headline from run summaries:
+    """experiments/records/transformer_records.py's table, summary and headline from run
+    summaries:
     the verdicts follow the acceptance (1 point, 3%) from the numbers."""
-    records = importlib.import_module("experiments.transformer_records")
+    records = importlib.import_module("experiments.records.transformer_records")
     finals = {("vit", "serial"): (0.900, 0.3), ("vit", "mgrit"): (0.885, 0.31),
               ("staged-resnet", "serial"): (0.950, 0.2), ("staged-resnet", "mgrit"): (0.948, 0.2),
               ("gpt", "serial"): (0.40, 1.50), ("gpt", "mgrit"): (0.39, 1.53)}
@@ -247,7 +248,7 @@ def test_records_gpt_job_and_exact_evaluation(tmp_path):
     converged (residual ~1e-7), so the two agree to 1e-4."""
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable}")
-    p = subprocess.run([sys.executable, "experiments/transformer_records.py", "--smoke",
+    p = subprocess.run([sys.executable, "experiments/records/transformer_records.py", "--smoke",
                         "--only", "gpt", "--method", "mgrit", "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

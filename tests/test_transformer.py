@@ -224,7 +224,7 @@ def test_chain_does_not_stack_different_settings(other):
 # -- the benchmark's smoke mode ----------------------------------------------------------------
 def test_bench_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_transformer",
-                                                  ROOT / "experiments" / "bench_transformer.py")
+                                                  ROOT / "experiments" / "benchmarks" / "bench_transformer.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--smoke", "--out", str(tmp_path)])
