@@ -21,7 +21,7 @@ speedup over the serial loop of the same step (``N tau_s``) is at most
 come on top: the measured speedup stays below the bound; the bound says whether tuning can help.
 
 Writes ``<out>/bench_gru.md`` (default ``experiments/results``). ``--smoke``: tiny sizes, two
-short lengths, seconds (run by tests/test_gru.py). Do not trust timings on a loaded machine.
+short lengths, seconds (run by tests/nn/test_gru.py). Do not trust timings on a loaded machine.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ all steps, batches of 50, float32, seed 0. Three runs with the same seed, weight
 * ``fixed``: layer-parallel on ``P_L = world`` ranks: 2 levels, coarsening factor 8,
   F-relaxation, 1 forward / 1 adjoint cycle, warm start. It carries a monitor in ``log`` mode:
   it measures the bias every ``--every`` steps and never acts (training is then unchanged bit
-  for bit, see tests/test_bias.py), so its log shows the fixed run's bias;
+  for bit, see tests/training/test_bias.py), so its log shows the fixed run's bias;
 * ``monitor``: the same with the monitor in ``raise`` mode (``--ratio``, ``--window``).
 
 The final weights of every run are also evaluated *exactly* (``to_serial()``, serial forward)
