@@ -231,7 +231,7 @@ def run_two_ranks(N, m, reps, relax, cal_reps):
                    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         mpiexec = os.environ.get("LAYERPAR_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
         cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py",
-               str(ROOT / "experiments" / "bench_layerparallel_ranks.py"), "--layers", str(N),
+               str(ROOT / "experiments" / "benchmarks" / "bench_layerparallel_ranks.py"), "--layers", str(N),
                "--m", str(m), "--repeats", str(reps), "--relax", relax, "--cal-repeats",
                str(cal_reps), "--out", str(path)]
         subprocess.run(cmd, env=env, check=True, timeout=3600)
