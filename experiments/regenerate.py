@@ -25,6 +25,11 @@ and keeps the other part's stored results: each ``--part`` runs only its own). A
 script that does not exist yet is skipped (listed as ``missing``): other helpers' scripts join
 by existing; a script without a quick mode (``quick=None``) is listed as such in quick runs.
 
+The results mirror the scripts' folders: a script in ``experiments/<room>/`` (``benchmarks``,
+``reproductions``, ``studies``, ``records``) gets ``<out>/<room>`` as its output base, so its
+study lands in ``experiments/results/<room>/<study>/``; ``MANIFEST.md``, ``manifest.json`` and
+``logs/`` stay at the top of the output folder.
+
 Exit status: 0 when every launched script succeeded, 1 otherwise.
 """
 from __future__ import annotations
@@ -53,7 +58,8 @@ KINDS = ("accuracy", "timing", "mixed", "parts")
 
 @dataclass(frozen=True)
 class Entry:
-    """One script: ``{out}`` in the argument lists is the output base folder."""
+    """One script: ``{out}`` in the argument lists is the script's output base folder
+    (``<out>/<room>``, the results mirroring the script's folder)."""
     name: str
     script: str                  # path relative to the repository root
     ranks: int | None            # None: plain python; K: mpiexec -n K python -m mpi4py
@@ -64,60 +70,66 @@ class Entry:
     timeout: int = 6 * 3600      # seconds, record run
     quick_timeout: int = 600
 
+    @property
+    def room(self) -> str:
+        """The script's folder under ``experiments/`` (``reproductions``, ...): its results go to
+        ``<out>/<room>``."""
+        return Path(self.script).parent.name
+
 
 REGISTRY: tuple[Entry, ...] = (
-    Entry("kirby2020", "experiments/reproduce_kirby.py", 2, ("--full", "--out", "{out}"),
+    Entry("kirby2020", "experiments/reproductions/reproduce_kirby.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "parts", "P3"),
-    Entry("guenther2020", "experiments/reproduce_guenther.py", 2, ("--full", "--out", "{out}"),
+    Entry("guenther2020", "experiments/reproductions/reproduce_guenther.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "P3"),
-    Entry("torchbraid_mnist", "experiments/reproduce_torchbraid.py", 2,
+    Entry("torchbraid_mnist", "experiments/reproductions/reproduce_torchbraid.py", 2,
           ("--full", "--out", "{out}"), ("--smoke", "--out", "{out}"), "mixed", "P3"),
-    Entry("layerwise", "experiments/reproduce_layerwise.py", 2, ("--full", "--out", "{out}"),
+    Entry("layerwise", "experiments/reproductions/reproduce_layerwise.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "parts", "P3"),
-    Entry("convergence", "experiments/study_convergence.py", 2, ("--full", "--out", "{out}"),
+    Entry("convergence", "experiments/studies/study_convergence.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "accuracy", "P3"),
-    Entry("bench_pymgrit", "experiments/bench_pymgrit.py", None,
+    Entry("bench_pymgrit", "experiments/benchmarks/bench_pymgrit.py", None,
           ("--out", "{out}/bench_pymgrit.md"),
           ("--quick", "--ranks", "1", "--cases", "dahlquist-L2", "heat-L5", "--out",
            "{out}/bench_pymgrit.md"), "timing", "P3"),
-    Entry("bench_gpu", "experiments/bench_gpu.py", None, ("--out", "{out}"),
+    Entry("bench_gpu", "experiments/benchmarks/bench_gpu.py", None, ("--out", "{out}"),
           ("--dry-run", "--out", "{out}/gpu_dry_run"), "timing", "P3"),
-    Entry("gpu_check", "experiments/gpu_check.py", None, (), ("--dry-run",), "accuracy", "P3"),
+    Entry("gpu_check", "experiments/benchmarks/gpu_check.py", None, (), ("--dry-run",), "accuracy", "P3"),
     # other helpers' scripts: they join the command by existing; their CLIs as of this commit
-    Entry("bench_layerparallel", "experiments/bench_layerparallel.py", None,
+    Entry("bench_layerparallel", "experiments/benchmarks/bench_layerparallel.py", None,
           ("--out", "{out}/bench_layerparallel.md"),
           ("--quick", "--out", "{out}/bench_layerparallel.md"), "timing", "perf helper"),
-    Entry("bench_dataparallel", "experiments/bench_dataparallel.py", None,
+    Entry("bench_dataparallel", "experiments/benchmarks/bench_dataparallel.py", None,
           ("--out", "{out}/bench_dataparallel.md"), None, "timing", "perf helper"),
-    Entry("plan", "experiments/plan.py", None, ("--layers", "4096", "--ranks", "64"), None,
+    Entry("plan", "experiments/benchmarks/plan.py", None, ("--layers", "4096", "--ranks", "64"), None,
           "timing", "perf helper"),
-    Entry("plan_validation", "experiments/plan.py", None,
+    Entry("plan_validation", "experiments/benchmarks/plan.py", None,
           ("--validate", "--out", "{out}/plan_validation.md"),
           ("--validate", "--quick", "--out", "{out}/plan_validation.md"), "timing", "perf helper"),
-    Entry("bench_data", "experiments/bench_data.py", None, ("--out", "{out}/data_throughput.md"),
+    Entry("bench_data", "experiments/benchmarks/bench_data.py", None, ("--out", "{out}/data_throughput.md"),
           None, "timing", "G4"),
-    Entry("bench_transformer", "experiments/bench_transformer.py", None, ("--out", "{out}"),
+    Entry("bench_transformer", "experiments/benchmarks/bench_transformer.py", None, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "transformer helper"),
-    Entry("bench_gru", "experiments/bench_gru.py", None, ("--full", "--out", "{out}"),
+    Entry("bench_gru", "experiments/benchmarks/bench_gru.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "GRU helper"),
-    Entry("study_multilevel", "experiments/study_multilevel.py", 2, ("--full", "--out", "{out}"),
+    Entry("study_multilevel", "experiments/studies/study_multilevel.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
     # the main job's records: its acceptance (G3) and issues 15 and 18 (the scripts launch
     # their 2-rank jobs)
-    Entry("mnist_mgrit_vs_serial", "experiments/compare_mainjob.py", None,
+    Entry("mnist_mgrit_vs_serial", "experiments/records/compare_mainjob.py", None,
           ("--full", "--out", "{out}"), ("--smoke", "--out", "{out}"), "mixed", "G3 (main job)"),
-    Entry("transformers", "experiments/transformer_records.py", None, ("--full", "--out", "{out}"),
+    Entry("transformers", "experiments/records/transformer_records.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "transformer helper"),
-    Entry("gru", "experiments/study_gru.py", None, ("--full", "--out", "{out}"),
+    Entry("gru", "experiments/studies/study_gru.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "GRU helper"),
-    Entry("bias_monitor", "experiments/study_bias.py", 2, ("--out", "{out}"),
+    Entry("bias_monitor", "experiments/studies/study_bias.py", 2, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "accuracy", "bias helper"),
     # issue 23: BatchNorm ResNet and dropout ViT, weight-tied vs untied ResNet (serial vs
     # layer-parallel, 3 seeds; the script launches its 2-rank jobs)
-    Entry("batchnorm_dropout", "experiments/stateful_records.py", None,
+    Entry("batchnorm_dropout", "experiments/records/stateful_records.py", None,
           ("--study", "batchnorm_dropout", "--full", "--out", "{out}"),
           ("--study", "batchnorm_dropout", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
-    Entry("tied_resnet", "experiments/stateful_records.py", None,
+    Entry("tied_resnet", "experiments/records/stateful_records.py", None,
           ("--study", "tied_resnet", "--full", "--out", "{out}"),
           ("--study", "tied_resnet", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
 )
@@ -138,7 +150,7 @@ def command(e: Entry, mode: str, part: str, out: Path) -> list[str] | None:
             args = (*args, "--part", part)
         elif e.kind not in (part, "mixed"):
             return None
-    args = [a.replace("{out}", str(out)) for a in args]
+    args = [a.replace("{out}", str(out / e.room)) for a in args]
     head = [sys.executable] if e.ranks is None else [mpiexec(), "-n", str(e.ranks),
                                                     sys.executable, "-m", "mpi4py"]
     return head + [str(ROOT / e.script)] + args
@@ -209,8 +221,9 @@ def readme_block(results: Path) -> str:
     for e in REGISTRY:
         # a study folder (results/<name>/headline.json + summary.md) or a benchmark table
         # (results/<name>.headline.json beside results/<name>.md)
-        for f, link in ((results / e.name / "headline.json", f"results/{e.name}/summary.md"),
-                        (results / f"{e.name}.headline.json", f"results/{e.name}.md")):
+        room = results / e.room
+        for f, link in ((room / e.name / "headline.json", f"results/{e.room}/{e.name}/summary.md"),
+                        (room / f"{e.name}.headline.json", f"results/{e.room}/{e.name}.md")):
             if f.is_file():
                 h = json.loads(f.read_text())
                 rows += [[f"[{e.name}]({link})", r["claim"], r["ours"], r.get("kind", "measured"),

@@ -1,4 +1,4 @@
-"""Run several example scripts in one MPI job (``tests/test_examples.py``): every rank runs
+"""Run several example scripts in one MPI job (``tests/docs/test_examples.py``): every rank runs
 ``examples/NAME.py ARGS...`` as ``__main__`` (``runpy``), one after another, with its stdout
 captured to ``OUT/I-NAME.rank-R.txt`` (``I``: its position on the command line). Starting torch
 on every rank costs seconds, so one launch serves all the examples. An exception propagates:

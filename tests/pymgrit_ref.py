@@ -4,13 +4,13 @@ PyMGRIT's histories do not depend on the number of time ranks (notes: identical 
 ranks), so a serial run is the reference for every rank count. PyMGRIT 1.0.6 (the ``dev``
 extra) calls ``np.in1d``, which NumPy 2.4 removed; :func:`_pymgrit` aliases it to ``np.isin``
 (same result for these 1-D inputs) before importing PyMGRIT, so the check runs on any NumPy
-the install picks. Users run it as ``python -m pytest -q tests/test_pymgrit_crosscheck.py``
+the install picks. Users run it as ``python -m pytest -q tests/solver/test_pymgrit_crosscheck.py``
 (README, "Using the solver").
 
 PyMGRIT returns ``conv[conv != 0]``: exact zeros are dropped from its history. Use
 :func:`drop_exact_zeros` on our history before comparing with :func:`compare_histories`.
 
-Cases (all match ``tests/test_pymgrit_crosscheck.py`` and ``experiments/bench_pymgrit.py``):
+Cases (all match ``tests/solver/test_pymgrit_crosscheck.py`` and ``experiments/benchmarks/bench_pymgrit.py``):
 
 * ``"dahlquist"``: u' = -u, u(0) = 1, t in [0, 5], nt = 101, backward Euler; 2 levels, m = 2,
   FCF, V-cycle, nested iteration, tol 1e-10.

@@ -1,4 +1,4 @@
-"""Rank-side checks of issue 22 items 4 and 10 (tests/test_global_agreement.py), float64, exact
+"""Rank-side checks of issue 22 items 4 and 10 (tests/nn/test_global_agreement.py), float64, exact
 MGRIT solves, against plain serial PyTorch loops on the same weights and global batches:
 
 * item 4: a parameter frozen when the Trainer is built and unfrozen by a callback, and a

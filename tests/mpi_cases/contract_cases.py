@@ -1,7 +1,7 @@
 """Issue 22 items 1, 2, 3, 7, 8: what a PyTorch user may do to step modules after build, on k
 ranks, against serial PyTorch autograd on the same weights (``serial_resnet``, every rank builds
 it; float64, MGRIT with 2 levels solved to 1e-13, compared at ``TOL = 1e-9`` relative; autocast
-in float32 at the tolerance stated in :func:`check_autocast`). Run by ``tests/test_contract.py``.
+in float32 at the tolerance stated in :func:`check_autocast`). Run by ``tests/nn/test_contract.py``.
 
 Each comparison: the output on the last layer rank, the input gradient on the first and the
 parameter gradients of every local layer (``None`` where serial's is ``None``).

@@ -1,4 +1,4 @@
-"""Data-parallel checks run on k ranks by tests/test_dataparallel.py (each rank asserts on its
+"""Data-parallel checks run on k ranks by tests/parallel/test_dataparallel.py (each rank asserts on its
 own part; every rank must raise the same error in the error checks)."""
 import torch
 from mpi4py import MPI

@@ -1,6 +1,6 @@
 """The one-level exact path of :class:`LayerParallelResNet` (``mgrit.nn.resnet.pipelined``) under every
 usage pattern of tests/mpi_cases/nn_usage_cases.py, against serial PyTorch autograd (float64),
-run by tests/test_fastpaths.py on 1, 2 and 3 ranks.
+run by tests/nn/test_fastpaths.py on 1, 2 and 3 ranks.
 
 The usage scenarios are those of nn_usage_cases, run with ``max_levels=1`` forward and adjoint
 options (:func:`check_usage` sets the options its ``build`` uses, in this MPI job only); the

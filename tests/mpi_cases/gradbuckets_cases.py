@@ -1,4 +1,4 @@
-"""GradientBuckets checks run on k ranks by tests/test_dataparallel.py: bit-for-bit equality
+"""GradientBuckets checks run on k ranks by tests/parallel/test_dataparallel.py: bit-for-bit equality
 with average_gradients and the errors found in review (each rank asserts on its own part)."""
 import torch
 from mpi4py import MPI

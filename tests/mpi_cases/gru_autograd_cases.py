@@ -1,5 +1,5 @@
 """ParallelGRU under every autograd pattern a PyTorch user may write, on k ranks (run by
-tests/test_gru_mpi.py; float64 exact mode, tiny sizes).
+tests/nn/test_gru_mpi.py; float64 exact mode, tiny sizes).
 
 Reference: an unrolled ``nn.GRUCell`` with the same weights and the same pattern (several
 forwards, then backwards in the same order, the same in-place changes) under serial autograd.

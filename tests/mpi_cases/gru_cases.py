@@ -1,4 +1,4 @@
-"""ParallelGRU checks run on k ranks by tests/test_gru_mpi.py (float64, tiny sizes).
+"""ParallelGRU checks run on k ranks by tests/nn/test_gru_mpi.py (float64, tiny sizes).
 
 Every rank builds the same serial reference (``nn.GRUCell`` unrolled, same weights: the
 parallel model broadcasts rank 0's and the reference copies them) and asserts on its own part:

@@ -1,4 +1,4 @@
-"""Depth transfer and MG/Opt checks run on k ranks by tests/test_multilevel_mpi.py (float64).
+"""Depth transfer and MG/Opt checks run on k ranks by tests/multilevel/test_multilevel_mpi.py (float64).
 
 Every rank builds the serial reference itself (same seeds) and compares: gathered weights
 bitwise, outputs and gradients to the stated tolerances, errors raised on every rank.

@@ -1,4 +1,4 @@
-"""Layer-parallel ResNet checks run on k ranks by tests/test_nn_mpi.py (float64).
+"""Layer-parallel ResNet checks run on k ranks by tests/nn/test_nn_mpi.py (float64).
 
 Every rank builds the same serial reference (``serial_resnet`` with the same seeds) and
 asserts on its own part: output / loss on the last layer rank, the input gradient on the

@@ -1,5 +1,5 @@
 """User step modules and parameters in :class:`LayerParallelResNet`, run on k ranks by
-tests/test_nn_usage.py (float64, exact mode), each against serial PyTorch autograd on the same
+tests/nn/test_nn_usage.py (float64, exact mode), each against serial PyTorch autograd on the same
 weights (``serial_resnet``, or an ``nn.Sequential`` of ``ResidualStep`` for shared modules).
 
 Issue 13 item 2 (batching never changes what a module computes): per-layer private attributes,

@@ -1,5 +1,5 @@
 """Layer-parallel ResNet checks of conversions and state, run on k ranks by
-tests/test_nn_mpi.py (float64): ``to_serial``, global state dicts (round trip and loading
+tests/nn/test_nn_mpi.py (float64): ``to_serial``, global state dicts (round trip and loading
 under another partition)."""
 import torch
 from mpi4py import MPI

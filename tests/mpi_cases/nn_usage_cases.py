@@ -1,5 +1,5 @@
 """Usage patterns of :class:`LayerParallelResNet` as a PyTorch user writes them, run on k ranks
-by tests/test_nn_usage.py (float64, exact mode: forward and adjoint solves to 1e-13).
+by tests/nn/test_nn_usage.py (float64, exact mode: forward and adjoint solves to 1e-13).
 
 Each check runs the same scenario twice: on the layer-parallel model and on serial PyTorch
 autograd (``serial_resnet``, same seeds, every rank builds it) and compares, on every rank,

@@ -1,4 +1,4 @@
-"""Baseline checks on k ranks (tests/test_perf_baselines.py): GPipe (lean and autograd stages)
+"""Baseline checks on k ranks (tests/perf/test_perf_baselines.py): GPipe (lean and autograd stages)
 and lean data parallelism give serial autograd's gradients and SGD updates (float64)."""
 import torch
 from mpi4py import MPI

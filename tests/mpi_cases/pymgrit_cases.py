@@ -1,4 +1,4 @@
-"""Rank-side checks against PyMGRIT 1.0.6 (run by tests/test_pymgrit_crosscheck.py via
+"""Rank-side checks against PyMGRIT 1.0.6 (run by tests/solver/test_pymgrit_crosscheck.py via
 tests/mpi_harness.run_mpi on 1..4 ranks).
 
 Each check runs our solver on ``MPI.COMM_WORLD`` and compares, on every rank, with references

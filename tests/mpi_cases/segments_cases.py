@@ -1,4 +1,4 @@
-"""Networks of several layer-parallel segments, run on k ranks by tests/test_segments_mpi.py
+"""Networks of several layer-parallel segments, run on k ranks by tests/nn/test_segments_mpi.py
 (float64, exact mode: forward and adjoint solves to 1e-13).
 
 Every rank builds the same independent serial reference (an ``nn.Sequential`` of the same

@@ -1,4 +1,4 @@
-"""Solver checks run on k ranks by tests/test_solver_mpi.py (each rank asserts on its own part)."""
+"""Solver checks run on k ranks by tests/solver/test_solver_mpi.py (each rank asserts on its own part)."""
 import math
 import re
 

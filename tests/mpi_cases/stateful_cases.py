@@ -1,5 +1,5 @@
 """BatchNorm and Dropout/DropPath inside layer-parallel steps, run on k ranks by
-tests/test_stateful_steps.py (float64, exact mode: solves to 1e-13).
+tests/nn/test_stateful_steps.py (float64, exact mode: solves to 1e-13).
 
 Reference: an independently built serial ``nn.Sequential`` (``serial_resnet``, same seeds,
 same ordinary modules) trained by plain autograd and SGD on the same batches; with dropout the

@@ -1,5 +1,5 @@
 """Weight-tied layers across ranks (``LayerParallelResNet(tie=...)``), run on k ranks by
-tests/test_tied_mpi.py (float64, exact mode: solves to 1e-13).
+tests/nn/test_tied_mpi.py (float64, exact mode: solves to 1e-13).
 
 Reference: an independently built serial ``nn.Sequential`` with the same tied module(s) (one
 module object per group, as a PyTorch user writes it) and the same opening/closing weights,

@@ -1,4 +1,4 @@
-"""Layer-parallel transformer checks run on k ranks by tests/test_transformer_mpi.py (float64).
+"""Layer-parallel transformer checks run on k ranks by tests/nn/test_transformer_mpi.py (float64).
 
 Each rank builds the serial reference (``serial_resnet`` of the same ``TransformerStep``s, same
 per-layer seeds) and asserts on its part: output and loss on the last layer rank, the input

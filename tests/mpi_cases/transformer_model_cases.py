@@ -1,5 +1,5 @@
 """Rank-side checks of the main job's staged ResNet, ViT and character-level GPT
-(``mgrit.models.transformer``), run by ``tests/test_models_transformer.py`` on 2 ranks.
+(``mgrit.models.transformer``), run by ``tests/models/test_models_transformer.py`` on 2 ranks.
 
 * exact mode (float64, MGRIT to 1e-13): the layer-parallel network from the job's builder
   against its serial form from the same builder -- output, loss, every parameter gradient by

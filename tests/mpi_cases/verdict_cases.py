@@ -1,4 +1,4 @@
-"""Rank-side checks of issue 22 items 5 and 6 (tests/test_global_agreement.py): every rank
+"""Rank-side checks of issue 22 items 5 and 6 (tests/nn/test_global_agreement.py): every rank
 reaches the same verdict from the same reduced numbers -- a NaN in one layer's step or
 vector-Jacobian product makes every rank raise ``FloatingPointError`` (for ``norm="inf"``,
 whose MPI ``MAX`` reduction does not propagate NaN, and ``"l2"``), and a tolerance solve that

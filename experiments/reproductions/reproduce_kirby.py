@@ -1,0 +1,330 @@
+"""Study 1: Kirby et al. 2020 (arXiv 2007.07336, HPEC): two-level FAS-MGRIT forward over the layers
+of an MNIST conv ResNet vs layer-wise model parallelism (the blocking chain).
+
+Launch::
+
+    mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_kirby.py                 # default
+    mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_kirby.py --full          # the record
+    mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_kirby.py --full --part timing
+    mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_kirby.py --smoke --out /tmp/x
+
+Their setting: opening conv 1->20 channels 7x7, N residual 7x7 conv layers of 20 channels
+(x + h ReLU(K x + b), h = 1e-3), closing linear, batch 1, SGD, float32; MGRIT two levels,
+m = 64 layers per block, <= 2 iterations (FCF), warm start from the previous sample, serial
+backward. Baseline: the same partition as a blocking chain. Claim: 10.2x forward speedup with the
+same number of GPUs (blocks of a GPU run concurrently on CUDA streams).
+
+Two parts (``--part``; each replaces only its own group of ``results.h5``, then ``table.md`` and
+``summary.md`` are rebuilt from everything stored):
+
+* ``accuracy``: train the same initialization serially and layer-parallel (MGRIT forward with
+  2 warm-started FCF iterations, serial backward), batch 1, SGD, for each ``(N, m)`` of
+  ``--acc``; the default settings have N/m >= 8 coarse blocks, where 2 iterations are NOT exact.
+  Records test accuracy of the serial net, of the MGRIT-trained net evaluated with its inexact
+  MGRIT forward and with the exact forward, the relative output error of the MGRIT forward, and
+  the forward residuals. Not timing-sensitive: valid on a loaded machine.
+* ``timing``: forward wall time of MGRIT (batched and looped relaxation) and the blocking chain
+  at P = 1 and P = world size (interleaved); and two MODELS (``mgrit.perf.simulate``, a replay
+  of the solver's control flow): the *count model* (critical path counted in step applications,
+  a batched call over B intervals counted as ONE step, messages free -- no measured cost in it;
+  Kirby's CUDA streams in the ideal limit) and the *CPU-calibrated model* (step costs measured
+  here, messages 5 us + bytes / 5 GB/s). Timing-sensitive: refresh on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
+    sys.path.insert(0, ROOT)
+OUT = os.path.join(ROOT, "experiments", "results", "reproductions")  # default results base
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+from data import load_dataset  # noqa: E402
+from experiments.reproductions import kirby_report  # noqa: E402
+from mgrit import perf  # noqa: E402
+from mgrit.nn import ConvStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
+from mgrit.options import MGRITOptions  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
+
+STUDY = "kirby2020"
+PARTS = ("accuracy", "timing")  # plus "count" (the count model), written by every run
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    reporting.add_study_flags(
+        p, "the record: timing N = 128..4096, accuracy on 500 samples at N = 512, m = 64 and 16")
+    p.add_argument("--part", choices=("all",) + PARTS, default="all")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild table.md, summary.md, plots from results.h5 without running")
+    p.add_argument("--channels", type=int, default=4, help="(paper: 20)")
+    p.add_argument("--kernel", type=int, default=3, help="(paper: 7)")
+    p.add_argument("--h", type=float, default=1e-3, help="step size (paper: 1e-3)")
+    p.add_argument("--cfactor", type=int, default=64, help="m of the timing runs (paper: 64)")
+    p.add_argument("--iters", type=int, default=2, help="MGRIT forward iterations (paper: <= 2)")
+    p.add_argument("--depths", type=int, nargs="+", default=[128, 256, 512])
+    p.add_argument("--reps", type=int, default=3, help="timed forwards per configuration")
+    p.add_argument("--acc", nargs="+", default=["512:64", "512:16"],
+                   help="accuracy runs N:m (N/m >= 8 blocks: 2 iterations are not exact)")
+    p.add_argument("--train-samples", type=int, default=200)
+    p.add_argument("--test-samples", type=int, default=300)
+    p.add_argument("--lr", type=float, default=5e-3, help="SGD learning rate, batch 1")
+    p.add_argument("--model-ranks", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.full:
+        a.depths = [128, 256, 512, 1024, 2048, 4096]
+        a.train_samples, a.test_samples, a.reps = 500, 500, 5
+    if a.smoke:
+        a.cfactor, a.depths, a.reps, a.acc = 4, [16], 2, ["32:4"]
+        a.train_samples, a.test_samples, a.model_ranks = 8, 20, 4
+    a.acc_runs = []
+    for s in a.acc:
+        N, m = (int(v) for v in s.split(":"))
+        if N < 2 * m or m < 2:
+            raise SystemExit(f"--acc {s}: need m >= 2 and N >= 2 m")
+        a.acc_runs.append((N, m))
+    return a
+
+
+def cf(args, N):
+    """Layers per block: the paper's m, reduced only when N has fewer than 2 blocks."""
+    return max(2, min(args.cfactor, N // 2))
+
+
+def fwd_opts(iters, m, levels=2, batched=True):
+    if levels == 1:
+        return MGRITOptions(max_levels=1)
+    return MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=iters, relax="FCF",
+                        batched=batched)
+
+
+def make_step(args):
+    return lambda k: ConvStep(args.channels, args.kernel, "relu")
+
+
+def opening(args):
+    return nn.Sequential(nn.Conv2d(1, args.channels, args.kernel, padding=args.kernel // 2), nn.ReLU())
+
+
+def closing(args):
+    return nn.Sequential(nn.Flatten(), nn.Linear(args.channels * 784, 10))
+
+
+# ------------------------------------------------------------------------------ timing part
+def time_forwards(args, comm, N, variants, xs):
+    """Median wall time (max over ranks) of a no-grad forward for each ``(levels, batched)``
+    variant, interleaved sample by sample (the load of a shared machine hits them alike); the
+    first forward (no warm start) is excluded. Returns the medians and the networks."""
+    nets = [LayerParallelResNet.build(make_step(args), N, (args.channels, 28, 28), comm=comm,
+                                      seed=args.seed, T=N * args.h,
+                                      forward=fwd_opts(args.iters, cf(args, N), lv, b),
+                                      adjoint="serial")
+            for lv, b in variants]
+    ts = [[] for _ in nets]
+    with torch.no_grad():
+        for i in range(args.reps + 1):
+            for rn, t in zip(nets, ts):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                rn(xs[i] if rn.is_first else None, batch_size=1)
+                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if i:
+                    t.append(dt)
+    return [float(np.median(t)) for t in ts], nets
+
+
+def calibrate(args, x):
+    """Step cost of the forward chain on this rank (single step and batched over B intervals)."""
+    n = 16 if args.smoke else 64
+    rn = LayerParallelResNet.build(make_step(args), n, (args.channels, 28, 28), comm=MPI.COMM_SELF,
+                                   seed=args.seed, T=n * args.h)
+    ch = rn.chain
+    ch.refresh()
+    sizes = (2, 8, 16) if args.smoke else (2, 8, 32, 64)
+    with torch.no_grad():
+        U = x.unsqueeze(0).expand(n, *x.shape).contiguous()  # (intervals, batch, C, H, W)
+        return perf.calibrate_step(lambda: ch.step(x, 0, 1, 0),
+                                   lambda B: ch.step_batch(U[:B], list(range(B)),
+                                                           list(range(1, B + 1)), 0),
+                                   sizes=sizes, repeats=3, inner=2 if args.smoke else 5)
+
+
+def count_units(N, P, opts, iters):
+    """COUNT MODEL: critical path of the replayed solve in step applications (a single step = 1,
+    a batched call over any number of intervals = 1, messages free) -- no measured cost."""
+    return perf.simulate(N, P, opts, iterations=iters, batched=True,
+                         tau=perf.StepCost(1.0, 1.0, 0.0), comm=perf.CommCost(0.0, 1.0),
+                         nbytes=0).critical_path
+
+
+def model_grid(args):
+    """(N, P) pairs of the modeled tables: the measured depths and 256..4096, P = 1, 2, 4, ..."""
+    depths = sorted(set(args.depths) | ({256, 512, 1024, 2048, 4096} if not args.smoke else set()))
+    ranks = [2 ** k for k in range(20) if 2 ** k <= args.model_ranks]
+    return [(N, P) for N in depths for P in ranks if P <= N]
+
+
+def count_part(args, world):
+    """The COUNT MODEL table (deterministic, no measurement; computed on rank 0)."""
+    rows = []
+    if world.Get_rank() == 0:
+        rows = [(N, P, count_units(N, P, fwd_opts(args.iters, cf(args, N)), args.iters))
+                for N, P in model_grid(args)]
+    series = {"N": [r[0] for r in rows], "P": [r[1] for r in rows],
+              "units": [r[2] for r in rows], "speedup": [r[0] / r[2] for r in rows]}
+    return series, {"iters": args.iters, "cfactor": args.cfactor}
+
+
+def timing_part(args, world):
+    rank, W = world.Get_rank(), world.Get_size()
+    tr, _ = load_dataset("mnist5k")
+    lift = opening(args)
+    with torch.no_grad():
+        xs = [lift(torch.as_tensor(tr.get_batch(np.array([i]))[0])) for i in range(args.reps + 1)]
+    meas = []  # (P, N, m, t_mgrit, t_layerwise, t_serial, residual, t_mgrit_loop)
+    for P in sorted({1, W}):
+        sub = world.Split(0 if rank < P else MPI.UNDEFINED, rank)
+        if sub != MPI.COMM_NULL:
+            for N in args.depths:
+                if N < P or N // cf(args, N) < 2:
+                    continue
+                (t_lw, t_mg, t_loop), nets = time_forwards(
+                    args, sub, N, [(1, True), (2, True), (2, False)], xs)
+                t_se = float("nan")
+                if P == 1:
+                    net = serial_resnet(make_step(args), N, T=N * args.h, seed=args.seed)
+                    with torch.no_grad():
+                        net(xs[0])
+                        t0 = time.perf_counter()
+                        for x in xs[1:]:
+                            net(x)
+                    t_se = (time.perf_counter() - t0) / args.reps
+                r = nets[1].last_forward.residuals
+                meas.append((P, N, cf(args, N), t_mg, t_lw, t_se, float(r[-1]) if r else float("nan"),
+                             t_loop))
+            sub.Free()
+        world.Barrier()
+    tau = calibrate(args, xs[0]) if rank == 0 else None
+    tau = world.bcast(tau, root=0)
+    measured_comm = perf.pingpong(world)
+    comm_cost = perf.CommCost()
+    nbytes = args.channels * 784 * 4
+    model = []  # (N, P, cpu-calibrated modeled speedup)
+    if rank == 0:
+        for N, P in model_grid(args):
+            o = fwd_opts(args.iters, cf(args, N))
+            lw = perf.layerwise_time(N, P, tau.single, comm_cost.message(nbytes))
+            crit = [perf.simulate(N, P, o, iterations=args.iters, batched=b, tau=tau,
+                                  comm=comm_cost, nbytes=nbytes).critical_path for b in (True, False)]
+            model.append((N, P, lw / min(crit)))
+    series = {f"meas_{k}": [m[i] for m in meas] for i, k in enumerate(
+        ("P", "N", "m", "t_mgrit", "t_layerwise", "t_serial", "residual", "t_mgrit_loop"))}
+    series.update({f"model_{k}": [m[i] for m in model] for i, k in enumerate(("N", "P", "cpu_speedup"))})
+    extra = {"step_cost": {"single": tau.single, "call": tau.call, "item": tau.item},
+             "comm_cost_model": {"latency": comm_cost.latency, "bandwidth": comm_cost.bandwidth},
+             "comm_cost_measured_here": None if measured_comm is None else
+             {"latency": measured_comm.latency, "bandwidth": measured_comm.bandwidth},
+             "iters": args.iters, "cfactor": args.cfactor, "channels": args.channels,
+             "kernel": args.kernel, "h": args.h}
+    return series, extra
+
+
+# ---------------------------------------------------------------------------- accuracy part
+def accuracy_run(args, world, tr, te, N, m):
+    """Train serial (rank 0) and layer-parallel (all ranks) from the same init and sample order."""
+    rank = world.Get_rank()
+    order = np.random.default_rng(args.seed).permutation(len(tr))[:args.train_samples]
+    Xte = torch.as_tensor(te.x[:args.test_samples])
+    Yte = torch.as_tensor(te.y[:args.test_samples], dtype=torch.long)
+    out = {}
+    if rank == 0:
+        torch.manual_seed(args.seed + 1)
+        op, cl = opening(args), closing(args)
+        net = nn.Sequential(op, *serial_resnet(make_step(args), N, T=N * args.h, seed=args.seed), cl)
+        opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+        for i in order:
+            xb, yb = tr.get_batch(np.array([i]))
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(torch.as_tensor(xb)),
+                                        torch.as_tensor(yb, dtype=torch.long)).backward()
+            opt.step()
+        with torch.no_grad():
+            out["serial_acc"] = float((net(Xte).argmax(1) == Yte).float().mean())
+    world.Barrier()
+    torch.manual_seed(args.seed + 1)
+    op, cl = opening(args), closing(args)
+    rn = LayerParallelResNet.build(make_step(args), N, (args.channels, 28, 28), comm=world,
+                                   seed=args.seed, T=N * args.h,
+                                   forward=fwd_opts(args.iters, m, batched=False), adjoint="serial")
+    net = LayerParallelNet(op, rn, cl)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+    res = []
+    for i in order:
+        xb, yb = tr.get_batch(np.array([i]))
+        opt.zero_grad()
+        net.loss(net(torch.as_tensor(xb)), torch.as_tensor(yb, dtype=torch.long)).backward()
+        opt.step()
+        r = rn.last_forward.residuals
+        res.append(r[-1] if r else float("nan"))
+    with torch.no_grad():
+        o = net(Xte)  # inexact MGRIT forward (2 iterations), as in training
+        acc = float((o.argmax(1) == Yte).float().mean()) if net.is_last else None
+        o_exact = net.to_serial()(Xte)
+        err = float((o - o_exact).norm() / o_exact.norm()) if net.is_last else None
+    out.update(parallel_acc_mgrit=net.from_last(acc),
+               parallel_acc_exact=float((o_exact.argmax(1) == Yte).float().mean()),
+               rel_output_error=net.from_last(err),
+               residual_median=float(np.median(res[len(res) // 2:])),
+               residual_max=float(np.max(res)))
+    return out
+
+
+def accuracy_part(args, world):
+    tr, te = load_dataset("mnist5k")
+    runs = [accuracy_run(args, world, tr, te, N, m) for N, m in args.acc_runs]
+    keys = ("serial_acc", "parallel_acc_mgrit", "parallel_acc_exact", "rel_output_error",
+            "residual_median", "residual_max")
+    series = {"N": [N for N, _ in args.acc_runs], "m": [m for _, m in args.acc_runs]}
+    series.update({k: [r.get(k, float("nan")) for r in runs] for k in keys})
+    extra = {"train_samples": args.train_samples, "test_samples": args.test_samples,
+             "lr": args.lr, "iters": args.iters, "channels": args.channels,
+             "kernel": args.kernel, "h": args.h}
+    return series, extra
+
+
+def main(argv=None):
+    args = parse(argv)
+    world = MPI.COMM_WORLD
+    if args.report_only:
+        if world.Get_rank() == 0:
+            kirby_report.write(reporting.results_dir(STUDY, args.out or OUT))
+        return
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    parts = PARTS if args.part == "all" else (args.part,)
+    done = {"count": count_part(args, world)}
+    for part in parts:
+        series, extra = {"accuracy": accuracy_part, "timing": timing_part}[part](args, world)
+        done[part] = (series, extra)
+    if world.Get_rank() == 0:
+        d = reporting.results_dir(STUDY, args.out or OUT)
+        for part, (series, extra) in done.items():
+            meta = reporting.run_metadata(world_size=world.Get_size())
+            meta.update(extra)
+            kirby_report.store(d, part, series, meta)
+        kirby_report.write(d)
+        print(f"wrote {d} in {time.perf_counter() - t_start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
