@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from layerpar.cli import JobParser  # noqa: E402
-from mgrit.training.faults import abort_quietly, fail_fast  # noqa: E402
+from mgrit.training.support.faults import abort_quietly, fail_fast  # noqa: E402
 from layerpar.flags import job_parser  # noqa: E402
 from layerpar.job import run_job  # noqa: E402
 

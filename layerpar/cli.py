@@ -10,7 +10,7 @@ import time
 
 from mpi4py import MPI
 
-from mgrit.training.faults import abort_quietly
+from mgrit.training.support.faults import abort_quietly
 
 from .jobconfig import JobConfig
 

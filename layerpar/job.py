@@ -32,7 +32,7 @@ from mgrit.parallel import ProcessGrid, device_for_rank
 from mgrit.training.bias import BiasMonitor
 from mgrit.training.callbacks import ConsoleLog, ProgressBar
 from mgrit.training.checkpoint import save_checkpoint
-from mgrit.training.faults import phase, set_log_dir
+from mgrit.training.support.faults import phase, set_log_dir
 from mgrit.training.guard import ConvergenceGuard
 from mgrit.training.lrschedule import LRSchedule
 from mgrit.training.metrics import MetricsWriter

@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mgrit.training.nets import as_net
+from mgrit.training.support.nets import as_net
 
 __all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
 

@@ -35,7 +35,7 @@ buffers are not saved (that variant is timing dependent anyway).
 
 Every configuration check happens in ``__init__`` before any message and is a pure function
 of the arguments, so bad configurations raise the same ``ValueError`` on every rank. Launch
-with ``python -m mpi4py`` (or call :func:`mgrit.training.faults.fail_fast`) so an exception on
+with ``python -m mpi4py`` (or call :func:`mgrit.training.support.faults.fail_fast`) so an exception on
 one rank aborts the job instead of leaving the neighbours blocked in a receive.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ from mgrit.parallel.dataparallel import (GradientBuckets, broadcast_parameters,
 from mgrit.comm import raise_agreed
 from mgrit.parallel.procgrid import ProcessGrid
 from mgrit.parallel.replicas import ReplicaSync, refuse_unsynchronized
-from mgrit.training.faults import phase
+from mgrit.training.support.faults import phase
 from mgrit.training.method import MethodOptimizer, TrainingMethod
 
 from .common import (check_int, check_targets, eval_loss, make_optimizer, release_gradients,

@@ -55,7 +55,7 @@ from torch import nn
 from mgrit.parallel.dataparallel import GradientBuckets
 from mgrit.parallel.procgrid import ProcessGrid
 from mgrit.parallel.replicas import refuse_unsynchronized
-from mgrit.training.faults import phase
+from mgrit.training.support.faults import phase
 from mgrit.training.method import MethodOptimizer, TrainingMethod
 from mgrit.training.trainer import Trainer
 

@@ -26,7 +26,7 @@ sections.
   Opt out with ``$LAYERPAR_ABORT_ON_ERROR=0`` or :func:`set_abort_on_error(False)
   <set_abort_on_error>` -- for tests that catch an error on every rank (the MPI test harness
   does so for its cases); then such an exception propagates and the other ranks may wait.
-  :mod:`mgrit.training.faults` installs its one-line report (hint and traceback file) as the
+  :mod:`mgrit.training.support.faults` installs its one-line report (hint and traceback file) as the
   reporter (:func:`set_failure_reporter`); the default prints one line and the traceback.
 """
 from __future__ import annotations

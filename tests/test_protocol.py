@@ -17,7 +17,7 @@ from mgrit.nn.protocol import PROVIDED, REQUIRED, NetMixin, TrainableNet
 from mgrit.options import MGRITOptions
 from mgrit.training import Trainer
 from mgrit.training.method import TrainingMethod
-from mgrit.training.nets import SerialNet, as_net
+from mgrit.training.support.nets import SerialNet, as_net
 
 
 class TwoPiece(NetMixin, nn.Module):

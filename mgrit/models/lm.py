@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import LayerParallelNet
-from ..training.nets import SerialNet
+from ..training.support.nets import SerialNet
 from ..training.records import EpochRecord, FitResult
 
 __all__ = ["lm_loss", "token_accuracy", "bits_per_char", "greedy_sample", "serial_module",
@@ -65,7 +65,7 @@ def bits_per_char(loss: float | None) -> float | None:
 def serial_module(net: nn.Module) -> nn.Module:
     """The serial network of the trainer's ``net``: ``net.to_serial()`` for a
     :class:`~mgrit.nn.LayerParallelNet` (collective over its layer communicator: call on every
-    rank), the wrapped module of a :class:`~mgrit.training.nets.SerialNet`, else ``net``."""
+    rank), the wrapped module of a :class:`~mgrit.training.support.nets.SerialNet`, else ``net``."""
     if isinstance(net, LayerParallelNet):
         return net.to_serial()
     return net.module if isinstance(net, SerialNet) else net

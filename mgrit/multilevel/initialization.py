@@ -38,8 +38,8 @@ import dataclasses
 import time
 
 from ..nn.depth import PROLONGATIONS, transfer_weights
-from ..training.checkpoint_io import read_file
-from ..training.faults import phase
+from ..training.checkpoint.io import read_file
+from ..training.support.faults import phase
 from ..training.metrics import MetricsWriter, write_metrics
 from ..training.records import HISTORY_KEYS
 

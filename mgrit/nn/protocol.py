@@ -45,7 +45,7 @@ overrides them for :class:`~mgrit.nn.LayerParallelNet`.
 Implementations: :class:`~mgrit.nn.LayerParallelNet` (:class:`LayerParallelNetMixin`),
 :class:`~mgrit.nn.GRUSequenceClassifier`, :class:`~mgrit.training.method.TrainingMethod`
 (layer-wise training) and, for any plain ``nn.Module``, the runtime's thin adapter
-:class:`~mgrit.training.nets.SerialNet` (one rank, ``is_last = True``).
+:class:`~mgrit.training.support.nets.SerialNet` (one rank, ``is_last = True``).
 
 Depends on torch, mpi4py (annotations) and the public accessors of
 :class:`~mgrit.nn.LayerParallelResNet` (``forward_solver``, ``backward_solver``,

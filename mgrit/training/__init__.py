@@ -8,16 +8,16 @@ optimizer: the layer-wise methods), the records :class:`FitResult` and :class:`S
 :class:`ConvergenceGuard` (residual growth, NaN names the layer), :class:`BiasMonitor` (inexact
 gradients' bias against their noise; raises the solve accuracy or switches to serial),
 :class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
-Modules: ``trainer`` (the loop), ``method`` (``TrainingMethod``, ``MethodOptimizer``),
-``epoch``, ``schedule`` (batches, shards), ``lrschedule`` (learning-rate schedules), ``nets``
-(``as_net``, ``SerialNet``: the runtime's side of the network protocol
-:mod:`mgrit.nn.protocol`, which every network implements for the loop, the checkpoints, the
-guard and the bias monitor), ``solvers`` (phase tags on a segment's MGRIT solves, rebuilding a
-solver with new options), ``callbacks``, ``metrics`` (+
-``report``, the results writers it shares with the experiments), ``checkpoint`` (+
-``checkpoint_io``, ``ckpt_match``), ``guard``, ``bias`` (+ ``bias_estimate``), ``faults``
-(phases, one-line failure reports), ``records`` (``FitResult``, ``StepRecord``, ...),
-``datapkg``.
+Modules: ``trainer`` (the step), ``fit`` (the epoch loop), ``method`` (``TrainingMethod``,
+``MethodOptimizer``), ``epoch``, ``schedule`` (batches, shards), ``lrschedule`` (learning-rate
+schedules), ``callbacks``, ``guard``, ``metrics`` (+ ``report``, the results writers it shares
+with the experiments), ``records`` (``FitResult``, ``StepRecord``, ...), ``datapkg``.
+Sub-rooms (they import only ``support`` and lower floors): ``support`` (``faults``: phases,
+one-line failure reports; ``nets``: ``as_net``/``SerialNet``, the runtime's side of the network
+protocol :mod:`mgrit.nn.protocol`; ``solvers``: phase tags on a segment's MGRIT solves,
+rebuilding a solver with new options), ``checkpoint`` (save/load; ``io`` the file format,
+``match`` key matching) and ``bias`` (the bias monitor; ``estimate``). ``_moved``: the old
+import paths of modules moved out in issue 26 (a ``DeprecationWarning`` names the new one).
 
 Floor L3: depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`;
 never imports a higher floor: not the model zoo (:mod:`mgrit.models`), the multilevel
@@ -53,9 +53,13 @@ from .datapkg import require_data_package
 
 require_data_package()  # before any module here imports data: a user's data.py is one clear line
 
+from ._moved import install as _install_moved  # noqa: E402
+
+_install_moved()  # old paths of modules moved in issue 26 (a DeprecationWarning names the new)
+
 from .bias import BiasMonitor  # noqa: E402
 from .callbacks import ConsoleLog, ProgressBar  # noqa: E402
-from .faults import fail_fast  # noqa: E402
+from .support.faults import fail_fast  # noqa: E402
 from .guard import ConvergenceGuard  # noqa: E402
 from .method import TrainingMethod  # noqa: E402
 from .metrics import MetricsWriter  # noqa: E402

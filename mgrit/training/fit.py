@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from .epoch import EpochAccumulator, UnconvergedWarning
-from .faults import phase
+from .support.faults import phase
 from .records import HISTORY_KEYS, FitPlan, FitResult
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
 

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
-from .nets import as_net
-from .solvers import replace_solver, solver_states
+from .support.nets import as_net
+from .support.solvers import replace_solver, solver_states
 
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
     from ..nn import LayerParallelResNet

@@ -21,14 +21,14 @@ from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, 
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
 from .callbacks import check_callbacks
 from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
-from .faults import phase
+from .support.faults import phase
 from .fit import FitLoop, _positive_int
 from .guard import name_nonfinite
 from .method import TrainingMethod
-from .nets import as_net
+from .support.nets import as_net
 from .records import StepRecord
 from .schedule import as_tensors
-from .solvers import instrument
+from .support.solvers import instrument
 
 if TYPE_CHECKING:  # annotations only
     from data import Split
@@ -56,7 +56,7 @@ class Trainer(FitLoop):
 
     Args:
         net: a :class:`~mgrit.nn.LayerParallelNet` built on ``grid.layer_comm``, or any serial
-            ``nn.Module`` (wrapped by :class:`~mgrit.training.nets.SerialNet`; then
+            ``nn.Module`` (wrapped by :class:`~mgrit.training.support.nets.SerialNet`; then
             ``grid.layer_size`` must be 1). Its MGRIT solves are phase-tagged for fault reports.
             Or a :class:`~mgrit.training.method.TrainingMethod` (layer-wise training), which
             runs its own updates in place of the step above; then ``optimizer=None``.

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from data import load_dataset
 from mgrit.nn import DenseStep, serial_resnet
 from mgrit.training.checkpoint import load_checkpoint
-from mgrit.training.checkpoint_io import FORMAT
+from mgrit.training.checkpoint.io import FORMAT
 from tests.mpi_harness import mpiexec_path
 from tests.job.test_train_job import ROOT, TIMEOUT, TINY, _load_script, job_env, run_jobs
 

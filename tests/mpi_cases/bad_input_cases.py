@@ -21,7 +21,7 @@ from tests.mpi_cases.reliability_cases import WIDTH, build
 def _bad_inputs(tmp):
     from data import GlobalBatchSampler
     from layerwise import DecoupledModel
-    from mgrit.training.faults import phase
+    from mgrit.training.support.faults import phase
     from mgrit.grid import Hierarchy, Partition
     from mgrit.parallel.procgrid import ProcessGrid
     from mgrit.solver import MGRIT

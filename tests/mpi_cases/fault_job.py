@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 from mpi4py import MPI  # noqa: E402
 
 from mgrit.training import Trainer, fail_fast  # noqa: E402
-from mgrit.training.faults import phase  # noqa: E402
+from mgrit.training.support.faults import phase  # noqa: E402
 
 
 def main():

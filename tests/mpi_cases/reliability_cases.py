@@ -1,4 +1,4 @@
-"""Rank-side checks of the reliability suite (mgrit.training.faults, mgrit.training.guard,
+"""Rank-side checks of the reliability suite (mgrit.training.support.faults, mgrit.training.guard,
 mgrit.training.checkpoint): resume, convergence guard, non-finite states, kill -9 during a
 checkpoint write. The bad-input table is in :mod:`tests.mpi_cases.bad_input_cases`."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mgrit.parallel import ProcessGrid
 from mgrit.training import checkpoint_io
 from mgrit.training.checkpoint import load_checkpoint, save_checkpoint
 from mgrit.training.guard import ConvergenceGuard
-from mgrit.training.solvers import replace_solver, solver_states
+from mgrit.training.support.solvers import replace_solver, solver_states
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 

@@ -1,9 +1,9 @@
 """A checkpoint whose bytes changed after it was written is refused (issue 25: corrupted data
 is an error): torch's zip reader does not verify the tensors' bytes, the file's SHA-256 digest
-of its contents does (mgrit/training/checkpoint_io.py)."""
+of its contents does (mgrit/training/checkpoint/io.py)."""
 import torch
 
-from mgrit.training.checkpoint_io import FORMAT, read_file, write_atomic
+from mgrit.training.checkpoint.io import FORMAT, read_file, write_atomic
 
 
 def _ckpt():

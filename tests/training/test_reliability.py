@@ -1,4 +1,4 @@
-"""Reliability acceptance (mgrit.training.faults, mgrit.training.guard, mgrit.training.checkpoint).
+"""Reliability acceptance (mgrit.training.support.faults, mgrit.training.guard, mgrit.training.checkpoint).
 
 1. Fault injection: 20 separate jobs (P = 2, 3, 4; random ranks and phases from a fixed seed;
    half launched without ``-m mpi4py``), run a few at a time; each must exit non-zero, name the

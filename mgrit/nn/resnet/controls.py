@@ -92,7 +92,7 @@ class SolverControls:
         are kept (the fine points do not change). Changing levels switches between MGRIT and
         the one-level exact path (:attr:`n_levels`) from the next forward on. Phase tags set
         on a solver instance from outside are not carried over
-        (:func:`mgrit.training.solvers.replace_solver` re-applies them).
+        (:func:`mgrit.training.support.solvers.replace_solver` re-applies them).
 
         Raises:
             ValueError: an option set that is not ``MGRITOptions``, or a multilevel backward
@@ -121,7 +121,7 @@ class SolverControls:
         (:mod:`mgrit.nn.resnet.pipelined`), ``name`` ``"pipelined forward"`` (the forward sweep of
         this rank's layers and its messages) or ``"pipelined adjoint"`` (the backward's checks,
         agreement and gradient messages); default ``None``. The training runtime sets it to
-        :class:`mgrit.training.faults.phase`, so that a failure there names its phase."""
+        :class:`mgrit.training.support.faults.phase`, so that a failure there names its phase."""
         return vars(self).get("_phase_hook")
 
     @phase_hook.setter

@@ -71,13 +71,13 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from .bias_estimate import REFERENCES, BiasEstimate, _is_int, _is_pos_number, measure_bias
-from .nets import as_net
-from .solvers import replace_solver
+from .estimate import REFERENCES, BiasEstimate, _is_int, _is_pos_number, measure_bias
+from ..support.nets import as_net
+from ..support.solvers import replace_solver
 
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
-    from .records import FitPlan, FitResult, StepRecord
-    from .trainer import Trainer
+    from ..records import FitPlan, FitResult, StepRecord
+    from ..trainer import Trainer
 
 __all__ = ["BiasMonitor", "BiasEstimate", "measure_bias", "ACTIONS", "REFERENCES"]
 

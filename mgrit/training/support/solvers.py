@@ -1,6 +1,6 @@
 """The runtime's hands on the MGRIT solvers of a network's segments: phase tags on the solves
 (so a failure report names the phase: ``"forward relaxation"``, ``"coarse solve"``,
-``"adjoint"``, see :mod:`mgrit.training.faults`), rebuilding a solver with new options (the
+``"adjoint"``, see :mod:`mgrit.training.support.faults`), rebuilding a solver with new options (the
 guard, the bias monitor, a checkpoint's saved options) and the states of a failed solve (the
 guard names the non-finite layer from them).
 
@@ -8,7 +8,7 @@ The segments come from the network protocol (``net.solver_segments()``,
 :mod:`mgrit.nn.protocol`); only public accessors of :class:`~mgrit.nn.LayerParallelResNet`
 are used, except the two private reads named below.
 
-Depends on :mod:`mgrit.training.faults` (``phase``).
+Depends on :mod:`mgrit.training.support.faults` (``phase``).
 """
 from __future__ import annotations
 

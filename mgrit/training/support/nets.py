@@ -20,9 +20,9 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..nn import LayerParallelResNet
-from ..nn.chains.compiled import plain_module
-from ..nn.protocol import PROVIDED, REQUIRED, NetMixin, TrainableNet
+from ...nn import LayerParallelResNet
+from ...nn.chains.compiled import plain_module
+from ...nn.protocol import PROVIDED, REQUIRED, NetMixin, TrainableNet
 
 __all__ = ["SerialNet", "as_net"]
 

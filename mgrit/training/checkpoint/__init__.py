@@ -1,6 +1,6 @@
 """Atomic, re-partitionable checkpoints of training (layer-parallel, serial, data-parallel).
 
-One file (:mod:`~mgrit.training.checkpoint_io`: plain contents, atomic write, loaded with
+One file (:mod:`~mgrit.training.checkpoint.io`: plain contents, atomic write, loaded with
 ``weights_only=True``), written by rank 0 of the grid. Contents (format 2), every per-layer
 item under a **global** key (``net.global_modules()``, :mod:`mgrit.nn.protocol`), so a
 checkpoint saved on ``P_L x P_D`` ranks loads on any other grid (layers are re-partitioned):
@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
-from ..collective import agreed, rendezvous
-from ..options import MGRITOptions
-from .checkpoint_io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
-from .ckpt_match import mismatches, payloads
-from .faults import phase
-from ..nn.net import alias_tied, tied_conflict
-from .nets import as_net
-from .solvers import replace_solver
+from ...collective import agreed, rendezvous
+from ...options import MGRITOptions
+from .io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
+from .match import mismatches, payloads
+from ..support.faults import phase
+from ...nn.net import alias_tied, tied_conflict
+from ..support.nets import as_net
+from ..support.solvers import replace_solver
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "CheckpointError", "FORMAT"]
 

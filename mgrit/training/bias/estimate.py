@@ -19,9 +19,9 @@ import torch
 from mpi4py import MPI
 from torch.nn import functional as F
 
-from .faults import phase
-from .nets import as_net
-from .solvers import replace_solver
+from ..support.faults import phase
+from ..support.nets import as_net
+from ..support.solvers import replace_solver
 
 __all__ = ["BiasEstimate", "measure_bias", "REFERENCES"]
 

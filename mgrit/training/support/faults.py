@@ -64,7 +64,7 @@ import traceback
 
 from mpi4py import MPI
 
-from ..collective import guarded, set_failure_reporter
+from ...collective import guarded, set_failure_reporter
 
 __all__ = ["PHASES", "COLLECTIVE_PHASES", "HINTS", "phase", "current_phase", "fail_fast",
            "failure_line", "maybe_inject", "InjectedFault", "abort_quietly", "set_log_dir",
