@@ -106,7 +106,7 @@ class MGRITOptions:
             Because the coarse solve does not read the C-point values, an initial guess
             (warm start) is discarded by the first cycle (apart from the convergence test of
             the guess with a tolerance > 0, which may still stop after 0 cycles): use it with
-            cold starts. Measured (``tests/test_global_agreement.py``, dense tanh ResNet,
+            cold starts. Measured (``tests/nn/test_global_agreement.py``, dense tanh ResNet,
             cfactor 4, F/FCF, 2 forward / 1 adjoint cycles, float64, gradient error against
             serial backpropagation): N = 64, 2 levels: 0.081 with skip vs 0.077 without, 31%
             fewer forward steps; 3 levels: 0.15 vs 0.11 (output error 2.7e-2 vs 1.2e-2), 35%

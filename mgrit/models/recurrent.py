@@ -21,7 +21,7 @@ one-layer GRU of ``--hidden`` units, then a linear head on the final hidden stat
   checkpoints of both load into each other.
 
 Recommended MGRIT flags for row-MNIST (28 steps) on 2 time ranks: ``--levels 2 --cfactor 4
---relax FCF --fwd-iters 3 --bwd-iters 2``. Why (``experiments/results/gru/``, ``sweep.md``):
+--relax FCF --fwd-iters 3 --bwd-iters 2``. Why (``experiments/results/studies/gru/``, ``sweep.md``):
 as training proceeds the GRU's MGRIT convergence slows (with 2 forward / 1 adjoint cycles the
 mean final forward residual of the training steps grows 7-20x over 10 epochs), the biased
 gradients leave the training loss behind serial's, and one of three seeds ended 1.9 points

@@ -37,7 +37,7 @@ the top:
   room.
 
 Example: a complete script; run it with ``mpiexec -n P python -m mpi4py example.py`` for any
-``P`` up to 8 -- it prints the same losses for every ``P`` (``tests/test_segments_mpi.py`` runs
+``P`` up to 8 -- it prints the same losses for every ``P`` (``tests/nn/test_segments_mpi.py`` runs
 this text as written on 1, 2 and 3 ranks)::
 
     import torch

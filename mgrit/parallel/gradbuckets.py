@@ -81,7 +81,7 @@ class GradientBuckets:
       buffers and :meth:`average` copies nothing; every parameter then has a gradient (zeros if
       unused), so momentum or weight decay also move unused parameters. Zeroing plus in-place
       accumulation moves about as many bytes as the pack copy: on CPU it measured no faster
-      (``experiments/bench_dataparallel.py``); it saves memory (no second gradient copy).
+      (``experiments/benchmarks/bench_dataparallel.py``); it saves memory (no second gradient copy).
 
     Either way every known parameter's gradient is cleared, the frozen ones' too (as
     ``optimizer.zero_grad()`` does for its parameters).

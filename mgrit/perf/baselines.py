@@ -14,7 +14,7 @@ Stages: :class:`LeanStage` (a :class:`~mgrit.perf.lean.LeanResNet` block: preall
 closed-form backward -- the strongest pipeline for the dense ResNet) and :class:`ModuleStage`
 (autograd through any ``nn.Module``: any network, e.g. an opening layer + residual steps on the
 first stage and the classifier on the last). Gradients equal serial autograd's
-(``tests/test_perf_baselines.py``, float64, 2 and 3 ranks). Point-to-point messages are
+(``tests/perf/test_perf_baselines.py``, float64, 2 and 3 ranks). Point-to-point messages are
 ``Isend``/``Recv`` of contiguous CPU tensors (mpi4py buffers); communicators: only the one given.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ a training step of the model runs (its options and :attr:`LayerParallelResNet.n_
   process over two depths of this rank's layers (:func:`pipelined_costs`).
 
 The solver's bookkeeping comes from solves with a free propagator (:func:`solver_overhead_fit`).
-``experiments/bench_layerparallel.py`` calls :func:`chain_costs` once per repeat, interleaved
+``experiments/benchmarks/bench_layerparallel.py`` calls :func:`chain_costs` once per repeat, interleaved
 with the runs the model is validated against; :mod:`mgrit.perf.netcal` for the planner.
 """
 from __future__ import annotations

@@ -9,9 +9,9 @@ fused ops with ``out=`` and in-place updates, no modules and no autograd:
 * training step: the forward storing states and ``act'(z_k)``, then a hand-written closed-form
   backward loop (``s = act'(z_k) * g``; ``dW_k^T = x_k^T s``; ``db_k = sum_batch s``;
   ``g += h s W_k``), then SGD on the stacked tensors (one op per tensor for all layers).
-  Equal to autograd of the ``nn.Sequential`` to round-off (``tests/test_perf_baselines.py``).
+  Equal to autograd of the ``nn.Sequential`` to round-off (``tests/perf/test_perf_baselines.py``).
 
-It is the serial baseline of ``experiments/bench_layerparallel.py`` and the per-stage kernel of
+It is the serial baseline of ``experiments/benchmarks/bench_layerparallel.py`` and the per-stage kernel of
 the pipeline and data-parallel baselines (:mod:`mgrit.perf.baselines`). Activations: ``tanh``
 and ``relu`` (ValueError otherwise). CPU or CUDA, any float dtype (of the weights).
 :func:`compiled_forward` / :func:`compiled_train_step` wrap ``torch.compile`` of the same loop.

@@ -19,10 +19,10 @@ per training step?" from
    chain), MGRIT (best probed configuration), and their hybrids with data parallelism.
 
 The answer is the simplest option among those predicted within ``margin`` (default 10%, about
-the model's validated error, ``experiments/results/bench_layerparallel.md`` part d) of the
+the model's validated error, ``experiments/results/benchmarks/bench_layerparallel.md`` part d) of the
 fastest -- serial, then data parallelism, GPipe, MGRIT: a more complex option must win by more
 than the model can resolve -- "use data parallelism" when that is it, with every option's
-predicted time and the reasons (:meth:`Recommendation.report`). CLI: ``experiments/plan.py``.
+predicted time and the reasons (:meth:`Recommendation.report`). CLI: ``experiments/benchmarks/plan.py``.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ replicas, each replica a shard ``ceil(b / P_D)`` of the batch):
 
 Allreduce of ``n`` bytes over ``p`` ranks: ``2 ceil(log2 p) alpha + 2 (p - 1) / p * n / B``
 (latency of recursive doubling, bandwidth of a ring; Thakur et al. 2005). Pure functions of the
-costs: the tests feed synthetic costs (``tests/test_planner.py``).
+costs: the tests feed synthetic costs (``tests/perf/test_planner.py``).
 """
 from __future__ import annotations
 

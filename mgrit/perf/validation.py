@@ -1,5 +1,5 @@
 """Report helpers of the model's validation (T5) and of Kirby's setting (T4) for
-``experiments/bench_layerparallel.py``: markdown from measured and predicted times.
+``experiments/benchmarks/bench_layerparallel.py``: markdown from measured and predicted times.
 
 * :func:`error_table` -- per configuration: the measured and predicted medians and the median
   of the per-repeat errors (each repeat's prediction comes from that repeat's calibration).

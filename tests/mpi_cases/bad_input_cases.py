@@ -1,4 +1,4 @@
-"""Rank-side check of the reliability suite's acceptance 2 (tests/test_reliability.py): a table
+"""Rank-side check of the reliability suite's acceptance 2 (tests/training/test_reliability.py): a table
 of bad inputs (options, solver, partition, network, grid, sampler, layer-wise model, guard,
 phase, checkpoints), each raising the named exception with the named words, the messages the
 same on every rank. Shares the network builder of :mod:`tests.mpi_cases.reliability_cases`."""

@@ -33,7 +33,7 @@ The fast paths and their contracts:
   the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
   in serial) and autocast has serial semantics, also in the backward.
 
-The fingerprint (:class:`Fingerprint`; cost in ``experiments/results/fingerprint_overhead.md``):
+The fingerprint (:class:`Fingerprint`; cost in ``experiments/results/benchmarks/fingerprint_overhead.md``):
 the identity of every entry of every ``_modules``, ``_parameters`` and ``_buffers`` dict in the
 steps' module trees and their total count (a parameter replaced with ``step.linear.weight =
 nn.Parameter(...)`` or ``load_state_dict(sd, assign=True)``, a submodule or step swapped, a

@@ -19,7 +19,7 @@ module's closed-form ``vjp_batched`` when it has one (dense steps with built-in 
 else one autograd call through that batched forward.
 
 Hot paths (no Python work or temporary per layer where it can be avoided; each equal to the
-general path, ``tests/test_fastpaths.py``): ``step_batch_into`` writes a batched step straight
+general path, ``tests/nn/test_fastpaths.py``): ``step_batch_into`` writes a batched step straight
 into the solver's strided state rows (:mod:`mgrit.levelops`); single forward steps of a
 batched chain use the module's ``forward_layer(p, j, x)`` on the stacked snapshot when it has
 one (no module call: MGRIT's coarse sweeps); closed-form adjoint steps slice a reversed copy of

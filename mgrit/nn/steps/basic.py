@@ -184,7 +184,7 @@ class DenseStep(nn.Module):
         ``{"linear.weight": s^T x (B, w, w), "linear.bias": sum_batch s (B, w)}``. ``dact``:
         :meth:`linearize_batched` of the same rows if already computed (then ``x`` is only
         used for the weight gradient and may be ``None`` when ``params`` is false). Same dtype
-        as ``forward_batched``; equal to autograd to round-off (``tests/test_nn.py``).
+        as ``forward_batched``; equal to autograd to round-off (``tests/nn/test_nn.py``).
         Raises ``TypeError`` when :attr:`closed_form_vjp` is false."""
         s = (self.linearize_batched(p, x) if dact is None else dact) * v
         if not params:

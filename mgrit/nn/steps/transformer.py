@@ -58,7 +58,7 @@ def _linear_einsum(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.T
 
 #: Kernels of the batched projections, ``B`` different linear maps at once: ``x`` ``(B, M, in)``,
 #: ``w`` ``(B, out, in)``, ``b`` ``(B, out)`` -> ``(B, M, out)``. All equal to round-off;
-#: :attr:`TransformerStep.linear_kernel` picks one, ``experiments/bench_transformer.py`` times
+#: :attr:`TransformerStep.linear_kernel` picks one, ``experiments/benchmarks/bench_transformer.py`` times
 #: them on the machine at hand.
 LINEAR_KERNELS = {"bmm": _linear_bmm, "baddbmm": _linear_baddbmm, "einsum": _linear_einsum}
 
@@ -81,7 +81,7 @@ class TransformerStep(nn.Module):
     ``phi2(y) = fc2(act(fc1(LN2(y))))``. Wrapped in ``x + h F(x)``
     (:class:`~mgrit.nn.resnet.LayerParallelResNet` with ``T = N``, i.e. ``h = 1``) it is a
     standard pre-LN block, equal to ``nn.TransformerEncoderLayer(norm_first=True, dropout=0)``
-    with the same weights (``tests/test_transformer.py``); ``T = 1`` gives the ODE scaling
+    with the same weights (``tests/nn/test_transformer.py``); ``T = 1`` gives the ODE scaling
     ``h = 1/N``. No positional information is added here: that belongs to the embedding.
 
     Args:
@@ -241,7 +241,7 @@ class TransformerStep(nn.Module):
 
         Returns:
             ``(B, batch, tokens, d_model)``, same dtype; equal to ``B`` :meth:`forward` calls to
-            round-off (float64: 1e-12 in ``tests/test_transformer.py``), differentiable in
+            round-off (float64: 1e-12 in ``tests/nn/test_transformer.py``), differentiable in
             ``x`` and ``p`` (the adjoint solve's VJPs go through autograd). The projections and
             the MLP are batched matmuls over the stacked weights, LayerNorm is one batched
             normalization with the stacked affine parameters, and attention is one

@@ -114,7 +114,7 @@ class BiasMonitor:
             Below 1 on purpose: the bias is the same every step and adds up, while the noise
             of successive batches averages out (momentum 0.9 averages about 19 batches,
             whose mean has ~0.23 of one batch's noise). On the recorded Peaks run
-            (experiments/results/bias_monitor) 1.0 fired too rarely to keep up with serial;
+            (experiments/results/studies/bias_monitor) 1.0 fired too rarely to keep up with serial;
             0.5 recovered the serial loss. Smaller reacts earlier (and costs more cycles).
         window: consecutive dominated checks before acting (int >= 1, default 2; one check
             is one batch, so 1 reacts to single noisy estimates).
