@@ -71,12 +71,17 @@ class Exchanger:
         self._pending.append((self.comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag), buf))
         self.stats.messages += 1
         self.stats.bytes_sent += buf.nbytes
+        if self.stats.tracer is not None:
+            self.stats.tracer.send(dest, tag, buf.nbytes)
 
     def irecv(self, source: int, tag: int) -> "PostedRecv":
         """Post a receive of one state from ``source``; call ``.wait()`` for the tensor."""
         buf = np.empty(self.nbytes, dtype=np.uint8)
-        return PostedRecv(self, self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), buf,
-                          source)
+        posted = PostedRecv(self, self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag), buf,
+                            source)
+        if self.stats.tracer is not None:  # numbered at posting: MPI matches in posting order
+            posted.trace_id = self.stats.tracer.post_recv(source, tag)
+        return posted
 
     def recv(self, source: int, tag: int, timeout: float | None = None,
              what: str = "a state") -> torch.Tensor:
@@ -98,6 +103,7 @@ class PostedRecv:
 
     def __init__(self, ex: Exchanger, req: MPI.Request, buf: np.ndarray, source: int = -1):
         self._ex, self._req, self._buf, self._req_source = ex, req, buf, source
+        self.trace_id = None  # the tracer's number of this message (when one records)
 
     def wait(self, timeout: float | None = None, what: str = "a state") -> torch.Tensor:
         """The received state. ``timeout`` (seconds; default ``None``: wait forever): poll
@@ -123,7 +129,10 @@ class PostedRecv:
                         f"mgrit.collective.set_collective_timeout)")
                 pause = min(5e-4, pause * 2 or 1e-6)
                 time.sleep(pause)
-        ex.stats.time["comm_wait"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        ex.stats.time["comm_wait"] += t1 - t0
+        if ex.stats.tracer is not None:
+            ex.stats.tracer.recv(self.trace_id, status.Get_count(MPI.BYTE), t0, t1)
         if status.Get_count(MPI.BYTE) != ex.nbytes:
             raise RuntimeError(f"received {status.Get_count(MPI.BYTE)} bytes from rank "
                                f"{status.Get_source()}, expected {ex.nbytes} for a state "
@@ -141,9 +150,13 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
     communicate while another has failed. The error is marked
     :func:`~mgrit.collective.agreed` (it passes the abort guard of collective sections)."""
     if comm.Get_size() > 1:
+        tracer = None if stats is None else stats.tracer
         if stats is not None:
             stats.allreduces += 1
+        t0 = time.perf_counter() if tracer is not None else 0.0
         gathered = comm.allgather((error, same))
+        if tracer is not None:
+            tracer.collective("agree", t0, time.perf_counter())
         errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
         vals = [v for _, v in gathered]
         if any(v != vals[0] for v in vals):

@@ -36,6 +36,7 @@ in :mod:`mgrit.options`.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Sequence
 
@@ -119,6 +120,9 @@ class MGRIT:
                           f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",
                           stacklevel=2)
         self.stats = SolverStats()  # accumulated over all solves
+        #: ``None`` (default) or a recorder with the hooks of :class:`mgrit.perf.trace.Tracer`:
+        #: each solve then records this rank's operations, messages and collectives.
+        self.tracer = None
         self._warned = False  # on_not_converged="warn": once per solver
 
     # -- validation ----------------------------------------------------------------------
@@ -205,10 +209,12 @@ class MGRIT:
                 default) an :class:`UnconvergedWarning` instead, once per solver.
         """
         opts, levels = self.options, self.hierarchy.levels
-        stats = SolverStats()
+        stats, prop, tracer = SolverStats(), self.propagator, self.tracer
+        if tracer is not None:  # records this solve (mgrit.perf.trace); prop: timed steps
+            stats.tracer, prop = tracer, tracer.begin_solve(self)
         shape = self.check_input(u0, initial_guess, state_shape, stats)
         ex = Exchanger(self.comm, shape, self.dtype, self.device, stats)
-        ops = LevelOps(self.propagator, ex, stats, opts.batched, float(opts.c_weight))
+        ops = LevelOps(prop, ex, stats, opts.batched, float(opts.c_weight))
         self._ops, self._stats = ops, stats
         self._st = [LevelState(lv, shape, self.dtype, self.device, with_rhs=lv.index > 0,
                                zero=lv.index > 0) for lv in levels]
@@ -248,6 +254,8 @@ class MGRIT:
                 result.converged = met(opts, res, result.state_norm)
         ex.waitall()
         self.stats += stats
+        if tracer is not None:
+            tracer.end_solve(stats)
         if not result.converged and (opts.tol > 0 or opts.rtol > 0):
             self._warned = not_converged(opts, result.final_residual, result.state_norm,
                                          self._warned, self.rank == 0)
@@ -331,10 +339,13 @@ class MGRIT:
             self._ops.ex.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
+                t0 = time.perf_counter() if stats.tracer is not None else 0.0
                 if inf:  # exact: the same maximum on every rank whatever the reduction order
                     self.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
                 else:  # mpi4py's object reduction: one result, broadcast (identical bits)
                     local = self.comm.allreduce(local, op=MPI.SUM)
+                if stats.tracer is not None:
+                    stats.tracer.collective("residual", t0, time.perf_counter())
         if local[2] > 0:
             return math.nan, math.nan
         r, s = float(local[0]), float(local[1])

@@ -24,7 +24,13 @@ class SolverStats:
         steps_batched_items: states advanced by those batched calls.
         messages, bytes_sent: point-to-point state messages sent and their payload size.
         allreduces: collective reductions (residual norms, validation agreement).
+        tracer: class attribute, ``None`` (the default: nothing recorded, no cost); the solver
+            sets it on the counters of a solve to its ``MGRIT.tracer``, an object with the
+            hooks of :class:`mgrit.perf.trace.Tracer` that records every counted operation
+            (the core only calls the hooks; it never imports :mod:`mgrit.perf`).
     """
+
+    tracer = None  # not a field: not counted, added, reset or compared
 
     time: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     steps_single: int = 0

@@ -1,0 +1,99 @@
+"""Trace of a real layer-parallel ResNet training step: the MGRIT forward solve and the
+adjoint-MGRIT backward solve of :class:`mgrit.nn.LayerParallelResNet` on ``P`` ranks
+(oversubscribed where the machine has fewer cores: the trace records the order of operations
+and messages, which oversubscription does not change; its wall clocks are then not times of
+dedicated cores).
+
+What is traced: the solves (steps, state messages, the solver's collectives). Not traced:
+the autograd bridge around them (the parameter-gradient sweep after the adjoint solve, the
+agreement collectives of the bridge, the loss) -- see the issue-24 notes in
+``docs/features/tracing.rst``.
+
+Command line (one JSON file per run, every rank's record gathered on rank 0)::
+
+    OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m mgrit.perf.trace.resnet \\
+        --layers 32 --width 4 --batch 8 --cfactor 4 --iters 2 --out trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from mpi4py import MPI
+
+from ...nn import DenseStep, LayerParallelResNet
+from ...options import MGRITOptions
+from .recorder import Tracer
+from .replay import replay
+from .trace import Trace
+
+__all__ = ["trace_resnet", "main"]
+
+
+def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int = 8,
+                 forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
+                 steps: int = 1, seed: int = 0, dtype: torch.dtype = torch.float64,
+                 act: str = "tanh") -> tuple[Trace | None, LayerParallelResNet, Tracer]:
+    """Build a dense ResNet (``n_layers`` :class:`~mgrit.nn.DenseStep` of ``width``, tanh,
+    ``T = 1``) on the ranks of ``comm``, run ``steps`` forward+backward passes of the loss
+    ``sum(y**2) / batch`` on a seeded input ``(batch, width)``, recording both solvers.
+    Collective over ``comm``.
+
+    Args:
+        forward, backward: solver options (default: 2 levels, ``cfactor=4``, 2 forward and
+            1 backward fixed cycles, ``tol = 0``: inexact training, TorchBraid's setting).
+
+    Returns:
+        ``(trace on rank 0 / None elsewhere, the model, this rank's tracer)``; the model's
+        ``forward_solver.stats`` and ``backward_solver.stats`` are the solver's own counters
+        of the traced solves (fresh model: nothing else ran). Solves are labelled
+        ``"forward"`` and ``"adjoint"``.
+    """
+    fwd = forward or MGRITOptions(max_levels=2, cfactor=4, max_iter=2, tol=0.0)
+    bwd = backward or MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0)
+    model = LayerParallelResNet.build(lambda k: DenseStep(width, act).to(dtype), n_layers,
+                                      (width,), comm=comm, seed=seed, forward=fwd, backward=bwd)
+    tracer = Tracer()
+    tracer.attach(model.forward_solver, "forward")
+    tracer.attach(model.backward_solver, "adjoint")
+    x = torch.randn(batch, width, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1))
+    for _ in range(steps):
+        y = model(x if model.is_first else None, batch_size=batch)
+        (y.square().sum() / batch if model.is_last else y.sum()).backward()
+    meta = {"network": f"dense ResNet, {n_layers} layers, width {width}, {act}",
+            "batch": batch, "dtype": str(dtype), "steps": steps, "P": comm.Get_size(),
+            "forward": repr(fwd), "backward": repr(bwd), "n_layers": n_layers}
+    return tracer.gather(comm, 0, meta), model, tracer
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mgrit.perf.trace.resnet",
+                                 description="Record the MGRIT forward and adjoint solves of a "
+                                             "layer-parallel dense ResNet on every rank.")
+    ap.add_argument("--layers", type=int, default=32, help="N, number of layers (default 32)")
+    ap.add_argument("--width", type=int, default=4, help="state width (default 4)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    ap.add_argument("--cfactor", type=int, default=4, help="coarsening factor (default 4)")
+    ap.add_argument("--levels", type=int, default=2, help="max levels (default 2)")
+    ap.add_argument("--iters", type=int, default=2, help="forward cycles (default 2)")
+    ap.add_argument("--adjoint-iters", type=int, default=1, help="adjoint cycles (default 1)")
+    ap.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    ap.add_argument("--out", required=True, help="JSON file written by rank 0")
+    a = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    opts = dict(max_levels=a.levels, cfactor=a.cfactor, tol=0.0)
+    trace, _, _ = trace_resnet(comm, a.layers, a.width, a.batch,
+                               MGRITOptions(max_iter=a.iters, **opts),
+                               MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps)
+    if trace is not None:
+        trace.messages()  # every send matched by its receive, or ValueError
+        trace.to_json(a.out)
+        res = replay(trace)
+        print(f"P={trace.nprocs}: wrote {a.out}; unit-cost critical path {res.critical_path:g} "
+              f"steps; recorded wall {res.recorded:.4f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
