@@ -34,6 +34,7 @@ FLOORS = {
     "mgrit.nn.*": 1,         # ... and its sub-rooms
     "mgrit.parallel": 2,     # process grid, gradient buckets, replica BatchNorm
     "mgrit.perf": 2,         # cost model, calibration, planner, baselines
+    "mgrit.perf.*": 2,       # ... and its sub-rooms (trace: recording and replay of real runs)
     "mgrit.training": 3,     # the runtime: Trainer, callbacks, checkpoints, faults, guard, bias
     "mgrit.training.*": 3,   # ... and its sub-rooms (support, checkpoint, bias)
     "mgrit.models": 4,       # the model zoo (one registry table)

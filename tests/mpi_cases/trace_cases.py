@@ -1,0 +1,148 @@
+"""Trace checks on k ranks (tests/perf/test_trace.py): a traced real run's tallies equal the
+solver's own counters (``SolverStats``, gathered separately from the tracer) on every rank,
+every send is matched one-to-one by its receive (same bytes), and the replay of the trace
+equals :func:`mgrit.perf.model.simulate` -- an independent re-derivation of the operations
+from ``N``, ``P`` and the options -- per rank, with unit costs (tau = 1, free messages) and
+with uneven costs (call overhead, latency and bandwidth). One job checks MGRIT solves of
+several option sets and a layer-parallel ResNet's forward and adjoint solves."""
+import math
+
+import torch
+from mpi4py import MPI
+
+from mgrit.grid import Partition
+from mgrit.options import MGRITOptions
+from mgrit.perf.model import CommCost, StepCost, simulate
+from mgrit.perf.trace import COUNT_KEYS, UNIT, Tracer, replay
+from mgrit.perf.trace.resnet import trace_resnet
+from mgrit.solver import MGRIT
+from tests.chains import BatchedTanhChain
+
+COMM = MPI.COMM_WORLD
+FREE = CommCost(0.0, math.inf)
+COSTS = [(UNIT, FREE), (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3))]
+SIM_KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages",
+            "allreduces")
+#: (N, levels, cfactor, relax, cycle, iterations, batched, nested, skip) -- N >= 8 ranks
+CASES = [
+    (32, 2, 4, "F", "V", 2, True, False, False),
+    (32, 2, 8, "FCF", "V", 2, True, False, False),
+    (31, 3, 2, "F", "V", 2, False, False, True),
+    (40, 3, [4, 2], ["F", "FCF"], "F", 2, True, False, False),
+    (33, 4, 2, "FCFCF", "V", 1, True, True, False),
+    (24, 1, 2, "F", "V", 1, True, False, False),
+]
+
+
+def _opts(levels, cfactor, relax, cycle, iters, batched, nested, skip, **kw):
+    kw.setdefault("tol", 0.0)
+    return MGRITOptions(max_levels=levels, cfactor=cfactor, relax=relax, cycle=cycle,
+                        max_iter=iters, batched=batched, nested_iteration=nested,
+                        skip_first_relaxation=skip, **kw)
+
+
+def _stats(solver_stats) -> dict:
+    d = solver_stats.as_dict()
+    return {k: d[k] for k in COUNT_KEYS}
+
+
+def _close(a, b, what):
+    assert abs(a - b) <= 1e-12 * max(abs(b), 1.0), f"{what}: replay {a!r} != simulate {b!r}"
+
+
+def _against_simulate(trace, label, N, opts, batched, nbytes, position, iterations=None,
+                      initial_guess=False):
+    """Replay of ``label``'s solves == simulate, per rank (``position[r]``: rank r's place in
+    simulate's chain order), under each cost pair; returns the unit-cost critical path."""
+    paths = []
+    for tau, comm in COSTS:
+        rep = replay(trace, tau, comm, label=label)
+        sim = simulate(N, trace.nprocs, opts, iterations, batched, tau, comm, nbytes,
+                       initial_guess)
+        for r in range(trace.nprocs):
+            q = position[r]
+            _close(rep.finish[r], sim.time[q], f"{label} rank {r} finish ({tau}, {comm})")
+            got = {k: rep.counts[r][k] for k in SIM_KEYS}
+            assert got == sim.rank(q), f"{label} rank {r}: replay {got} != simulate {sim.rank(q)}"
+        _close(rep.critical_path, sim.critical_path, f"{label} critical path")
+        paths.append(rep.critical_path)
+    return paths[0]
+
+
+def _check_trace(trace, solver_stats, labels):
+    """On root: tallies == the solver's counters (gathered, per rank and label); messages
+    matched one to one with equal bytes; the solver's copy in the trace agrees too."""
+    for r in range(trace.nprocs):
+        for label in labels:
+            want = solver_stats[r][label]
+            assert trace.counts(r, label) == want, (r, label, trace.counts(r, label), want)
+            assert trace.solver_counts(r, label) == want, (r, label)
+    msgs = trace.messages()
+    sends = sum(trace.counts(r)["messages"] for r in range(trace.nprocs))
+    recvs = sum(1 for r in range(trace.nprocs) for e in trace.events(r) if e[0] == "recv")
+    assert len(msgs) == sends == recvs, (len(msgs), sends, recvs)
+    return sends
+
+
+def check_solver_traces():
+    """Every case of :data:`CASES`, plus a warm-started solve to a tolerance (its guess is
+    F-relaxed and tested first; the cycles it took are the solver's decision)."""
+    P, rank = COMM.Get_size(), COMM.Get_rank()
+    tracer, mine, plans = Tracer(), {}, []
+    u0 = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for i, case in enumerate(CASES):
+        N, *rest = case
+        opts = _opts(*rest)
+        solver = MGRIT(BatchedTanhChain(N, width=3), N, (2, 3), options=opts, comm=COMM)
+        tracer.attach(solver, f"case{i}")
+        solver.solve(u0)
+        mine[f"case{i}"] = _stats(solver.stats)
+        plans.append((f"case{i}", N, opts, rest[5], None, False))
+    N, opts = 32, _opts(2, 4, "F", "V", 20, True, False, False, tol=1e-9)
+    solver = MGRIT(BatchedTanhChain(N, width=3), N, (2, 3), options=opts, comm=COMM)
+    lo, hi = solver.hierarchy.levels[0].lo, solver.hierarchy.levels[0].hi
+    guess = torch.zeros(hi - lo, 2, 3, dtype=torch.float64)
+    tracer.attach(solver, "warm")
+    res = solver.solve(u0, initial_guess=guess)
+    mine["warm"] = _stats(solver.stats)
+    plans.append(("warm", N, opts, True, res.iterations, True))
+    trace = tracer.gather(COMM)
+    stats = COMM.gather(mine)
+    if rank != 0:
+        return "ok"
+    labels = [p[0] for p in plans]
+    msgs = _check_trace(trace, stats, labels)
+    paths = {}
+    for label, N, opts, batched, iters, guess in plans:
+        paths[label] = _against_simulate(trace, label, N, opts, batched, 2 * 3 * 8, range(P),
+                                         iters, guess)
+    return {"messages": msgs, "unit_critical_paths": paths}
+
+
+def check_resnet_trace(n_layers=32, width=4, batch=4):
+    """A layer-parallel ResNet's forward + backward (MGRIT forward, adjoint MGRIT): tallies
+    per rank and solve == the forward and adjoint solvers' own counters; replay == simulate
+    (the adjoint runs on the reversed partition: rank r is simulate's chain position of its
+    block; ``n_layers`` divisible by P keeps the blocks even, as simulate assumes)."""
+    P = COMM.Get_size()
+    trace, model, _ = trace_resnet(COMM, n_layers, width, batch)
+    mine = {"forward": _stats(model.forward_solver.stats),
+            "adjoint": _stats(model.backward_solver.stats)}
+    stats = COMM.gather(mine)
+    if COMM.Get_rank() != 0:
+        return "ok"
+    assert n_layers % P == 0
+    msgs = _check_trace(trace, stats, ("forward", "adjoint"))
+    even = Partition.even(n_layers, P)
+    pos = {even.block(q)[0]: q for q in range(P)}
+    rev = Partition.even(n_layers, P).reversed()
+    nbytes = batch * width * 8
+    out = {"messages": msgs}
+    for label, opts, part, batched in (
+            ("forward", model.fwd_opts, even, model.forward_solver.propagator.batched),
+            ("adjoint", model.bwd_opts, rev, model.backward_solver.propagator.batched)):
+        position = [pos[part.block(r)[0]] for r in range(P)]
+        out[label] = _against_simulate(trace, label, n_layers, opts, batched, nbytes, position)
+    res = replay(trace, "recorded", FREE, overhead=True)
+    out["wall"] = res.recorded
+    return out

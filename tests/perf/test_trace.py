@@ -1,0 +1,161 @@
+"""Trace and replay of real runs (mgrit.perf.trace; issue 24, item 5).
+
+* the replay of a hand-built 2-rank trace gives the critical path worked out by hand, and a
+  trace that cannot have run (a receive without its send, collectives that differ) is refused;
+* JSON round trip; a corrupted file is a ValueError;
+* a traced run computes the same numbers as an untraced one (bitwise);
+* on 1 rank (in process) and on 4 and 8 ranks (one MPI job each, oversubscribed): the trace's
+  tallies equal the solver's own counters per rank and solve, sends and receives match one to
+  one with equal bytes, and the replay equals :func:`mgrit.perf.model.simulate` per rank
+  (``tests/mpi_cases/trace_cases.py``). No timing assertions.
+"""
+import json
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from mgrit.perf.model import CommCost, StepCost
+from mgrit.perf.trace import UNIT, Trace, replay
+from mgrit.perf.trace.resnet import trace_resnet
+from tests.mpi_cases import trace_cases
+from tests.mpi_harness import MPIBatch
+
+BATCH = MPIBatch(timeout=600)
+for _n in (4, 8):
+    for _c in ("solver_traces", "resnet_trace"):
+        BATCH.add(_n, _c, f"tests.mpi_cases.trace_cases:check_{_c}")
+
+
+def _rank(r, solves):
+    return {"rank": r, "size": 2, "solves": solves}
+
+
+def _solve(events, t0=0.0, t1=10.0, label="s"):
+    return {"label": label, "t0": t0, "t1": t1, "events": events}
+
+
+def _two_ranks(extra0=(), extra1=()):
+    """Rank 0: step, send 100 B to rank 1, batched step over 3, residual allreduce, step.
+    Rank 1: step, receive it, step, residual allreduce."""
+    r0 = [["step", 0.0, 1.0, 0, 0, 1, 0], ["send", 1.0, 1.0, 1, 1000, 100, 0],
+          ["step", 1.0, 2.0, 0, 4, 3, 1], ["coll", 2.0, 3.0, "residual"],
+          ["step", 3.0, 4.0, 0, 8, 1, 0], *extra0]
+    r1 = [["step", 0.0, 1.0, 0, 8, 1, 0], ["recv", 1.0, 2.0, 0, 1000, 100, 0],
+          ["step", 2.0, 3.0, 0, 9, 1, 0], ["coll", 3.0, 3.5, "residual"], *extra1]
+    return Trace([_rank(0, [_solve(r0)]), _rank(1, [_solve(r1)])])
+
+
+def test_replay_two_ranks_by_hand():
+    tau, comm = StepCost(single=2.0, call=1.0, item=0.5), CommCost(latency=0.25, bandwidth=100.0)
+    res = replay(_two_ranks(), tau, comm)
+    # rank 0: step 2; send arrives 2 + 0.25 + 100/100 = 3.25; batched 1 + 3 * 0.5 -> 4.5
+    # rank 1: step 2; receive max(2, 3.25) = 3.25; step -> 5.25
+    # allreduce (P = 2: one stage of message(8) = 0.33): both at 5.58; rank 0 steps -> 7.58
+    assert res.finish == pytest.approx([7.58, 5.58], abs=1e-12)
+    assert res.critical_path == pytest.approx(7.58, abs=1e-12)
+    assert res.counts[0] == {"steps_single": 2, "steps_batched_calls": 1,
+                             "steps_batched_items": 3, "messages": 1, "bytes_sent": 100,
+                             "allreduces": 1}
+    assert res.wall == [10.0, 10.0]
+    # per-level costs; a missing level is an error
+    res2 = replay(_two_ranks(), {0: StepCost(1.0, 0.0, 1.0)})
+    # rank 0: 1, batched 3 -> 4; rank 1: 1, receive at max(1, 1), 2; allreduce (free) at
+    # max(4, 2) = 4 on both; rank 0 steps -> 5
+    assert res2.finish == [5.0, 4.0]
+    with pytest.raises(ValueError, match="levels \\[0\\]"):
+        replay(_two_ranks(), {1: UNIT})
+    with pytest.raises(ValueError, match="tau="):
+        replay(_two_ranks(), 1.0)
+
+
+def test_replay_recorded_costs_and_overhead():
+    # with the recorded durations and the host time between events, a one-rank trace
+    # replays to its wall clock: 0.5 before, 1 step, 0.25 between, batched 2, 0.75 after
+    t = Trace([{"rank": 0, "size": 1, "solves": [_solve(
+        [["step", 0.5, 1.5, 0, 0, 1, 0], ["step", 1.75, 3.75, 1, 0, 4, 1]], 0.0, 4.5)]}])
+    assert replay(t, "recorded", overhead=True).finish == [4.5] == [t.wall(0)]
+    assert replay(t, "recorded").finish == [3.0]
+    assert replay(t).finish == [5.0]  # unit costs: 1 + 4
+
+
+def test_trace_refuses_what_cannot_have_run():
+    lost = _two_ranks(extra1=[["recv", 4.0, 5.0, 0, 1000, 100, 1]])  # never sent
+    with pytest.raises(ValueError, match="waits forever"):
+        replay(lost)
+    with pytest.raises(ValueError, match="received but never sent"):
+        lost.messages()
+    unheard = _two_ranks(extra0=[["send", 4.0, 4.0, 1, 1000, 100, 1]])
+    with pytest.raises(ValueError, match="never received"):
+        replay(unheard)
+    with pytest.raises(ValueError, match="never received"):
+        unheard.messages()
+    t = _two_ranks()
+    t.ranks[1]["solves"][0]["events"][1][5] = 99
+    with pytest.raises(ValueError, match="100 bytes sent, 99 received"):
+        t.messages()
+    t = _two_ranks()
+    t.ranks[1]["solves"][0]["events"][3][3] = "agree"
+    with pytest.raises(ValueError, match="collective 0 differs"):
+        replay(t)
+
+
+def test_json_round_trip_and_corruption(tmp_path):
+    t = _two_ranks()
+    t.meta["what"] = "hand-built"
+    back = Trace.from_json(t.to_json(tmp_path / "t.json"))
+    assert back.ranks == t.ranks and back.meta == t.meta
+    assert replay(back).finish == replay(t).finish
+    bad = json.loads((tmp_path / "t.json").read_text())
+    bad["ranks"][0]["solves"][0]["events"][0] = ["step", 0.0, 1.0, 0, 0, -1, 0]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="must be a int >= 0"):
+        Trace.from_json(tmp_path / "bad.json")
+    bad["ranks"][0]["solves"][0]["events"][0] = ["jump", 0.0, 1.0]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="is not an event"):
+        Trace.from_json(tmp_path / "bad.json")
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a trace"):
+        Trace.from_json(tmp_path / "junk.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "x"}))
+    with pytest.raises(ValueError, match="not a layerpar trace"):
+        Trace.from_json(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="rank record 1"):
+        Trace([_rank(0, []), _rank(0, [])])
+
+
+def test_tracing_changes_no_number():
+    """The traced ResNet's output and gradients equal the untraced one's bitwise."""
+    comm = MPI.COMM_SELF
+    _, traced, _ = trace_resnet(comm, 16, 4, 4)
+    _, plain, _ = trace_resnet(comm, 16, 4, 4, steps=0)  # the same model, not run
+    plain.forward_solver.tracer = plain.backward_solver.tracer = None
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (plain(x).square().sum() / 4).backward()
+    for (n, a), b in zip(traced.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    assert torch.equal(traced.last_states, plain.last_states)
+
+
+def _one_rank():
+    if MPI.COMM_WORLD.Get_size() != 1:
+        pytest.skip("run without mpiexec")
+
+
+def test_counts_and_simulate_one_rank():
+    _one_rank()
+    out = trace_cases.check_solver_traces()
+    assert out["messages"] == 0 and len(out["unit_critical_paths"]) == 7
+    out = trace_cases.check_resnet_trace(n_layers=16)
+    assert out["forward"] > 0 and out["adjoint"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nprocs,check", [(n, c) for n in (4, 8)
+                                          for c in ("solver_traces", "resnet_trace")])
+def test_trace_bookkeeping_mpi(nprocs, check):
+    """Acceptance of issue 24: operation and message counts at P = 4 and 8 equal the
+    solver's own counters; replay == simulate."""
+    res = BATCH.run(nprocs, check)
+    assert "'messages': " in res[0] and "'messages': 0," not in res[0], res[0]
