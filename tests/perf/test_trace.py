@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 from mgrit.perf.model import CommCost, StepCost
-from mgrit.perf.trace import UNIT, Trace, replay
+from mgrit.perf.trace import UNIT, Trace, replay, step_costs
 from mgrit.perf.trace.resnet import trace_resnet
 from tests.mpi_cases import trace_cases
 from tests.mpi_harness import MPIBatch
@@ -159,3 +159,16 @@ def test_trace_bookkeeping_mpi(nprocs, check):
     solver's own counters; replay == simulate."""
     res = BATCH.run(nprocs, check)
     assert "'messages': " in res[0] and "'messages': 0," not in res[0], res[0]
+
+
+def test_step_costs_fitted_to_recorded_steps():
+    ev = [["step", 0.0, 1.0, 0, 0, 1, 0], ["step", 1.0, 4.0, 0, 1, 1, 0],
+          ["step", 4.0, 6.0, 1, 0, 1, 0],                       # singles 1, 3, 2: median 2
+          ["step", 6.0, 9.0, 0, 0, 2, 1], ["step", 9.0, 14.0, 0, 0, 4, 1]]  # 3 = c + 2i, 5 = c + 4i
+    t = Trace([{"rank": 0, "size": 1, "solves": [_solve(ev, 0.0, 14.0)]}])
+    c = step_costs(t)
+    assert (c.single, c.call, c.item) == pytest.approx((2.0, 1.0, 1.0), abs=1e-12)
+    one = Trace([{"rank": 0, "size": 1, "solves": [_solve(ev[:4], 0.0, 9.0)]}])
+    assert step_costs(one).item == pytest.approx(1.5) and step_costs(one).call == 0.0
+    with pytest.raises(ValueError, match="no single step"):
+        step_costs(Trace([{"rank": 0, "size": 1, "solves": [_solve(ev[3:], 0.0, 14.0)]}]))

@@ -7,7 +7,9 @@ recorded as it ran (measured), and its critical path under calibrated costs (mod
   of :class:`~mgrit.stats.SolverStats`, matched messages, JSON;
 * :func:`replay` (:mod:`~mgrit.perf.trace.replay`): the critical path of the recorded
   dependencies with per-operation and per-message costs;
-* :func:`trace_resnet` (:mod:`~mgrit.perf.trace.resnet`, also a command): a layer-parallel
+* :func:`step_costs` (:mod:`~mgrit.perf.trace.costs`): a cost table fitted to a trace's
+  recorded step durations;
+* ``trace_resnet`` (:mod:`~mgrit.perf.trace.resnet`, also a command): a layer-parallel
   ResNet's forward and adjoint solves at any ``P``.
 
 Off by default and free when off: the solver core only tests ``tracer is not None`` at its
@@ -16,5 +18,7 @@ counting sites and never imports this package.
 from .recorder import TracedPropagator, Tracer
 from .replay import UNIT, ReplayResult, replay
 from .trace import COUNT_KEYS, Trace
+from .costs import step_costs
 
-__all__ = ["Tracer", "TracedPropagator", "Trace", "COUNT_KEYS", "replay", "ReplayResult", "UNIT"]
+__all__ = ["Tracer", "TracedPropagator", "Trace", "COUNT_KEYS", "replay", "ReplayResult", "UNIT",
+           "step_costs"]

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from ...nn import DenseStep, LayerParallelResNet
 from ...options import MGRITOptions
+from ..model import pingpong
 from .recorder import Tracer
 from .replay import replay
 from .trace import Trace
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=2, help="forward cycles (default 2)")
     ap.add_argument("--adjoint-iters", type=int, default=1, help="adjoint cycles (default 1)")
     ap.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    ap.add_argument("--pingpong", action="store_true",
+                    help="also measure a ping-pong between ranks 0 and 1 (P >= 2) and store the "
+                         "fitted latency (s) and bandwidth (B/s) in the trace's meta")
     ap.add_argument("--out", required=True, help="JSON file written by rank 0")
     a = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -86,7 +90,10 @@ def main(argv=None) -> int:
     trace, _, _ = trace_resnet(comm, a.layers, a.width, a.batch,
                                MGRITOptions(max_iter=a.iters, **opts),
                                MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps)
+    pp = pingpong(comm, (8, a.batch * a.width * 8)) if a.pingpong else None
     if trace is not None:
+        if pp is not None:
+            trace.meta["pingpong"] = {"latency": pp.latency, "bandwidth": pp.bandwidth}
         trace.messages()  # every send matched by its receive, or ValueError
         trace.to_json(a.out)
         res = replay(trace)
