@@ -132,6 +132,10 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("tied_resnet", "experiments/records/stateful_records.py", None,
           ("--study", "tied_resnet", "--full", "--out", "{out}"),
           ("--study", "tied_resnet", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
+    # issue 24 item 5: traces of the real run at P = 1..16 (oversubscribed), replayed (the
+    # script launches its own mpiexec jobs)
+    Entry("scaling_replay", "experiments/studies/scaling_replay.py", None, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "mixed", "h24a (issue 24)"),
 )
 
 

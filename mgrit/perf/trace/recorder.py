@@ -167,10 +167,19 @@ class Tracer:
     def gather(self, comm, root: int = 0, meta: dict | None = None):
         """Collective over ``comm`` (the solvers' communicator): every rank's record to
         ``root``, returned there as a :class:`~mgrit.perf.trace.Trace` (``None`` elsewhere).
-        ``meta``: what the run was (network, options, command), stored with the trace."""
+        ``meta``: what the run was (network, options, command), stored with the trace.
+
+        Raises:
+            ValueError: on ``root``, when ``comm`` is not the communicator the solves ran on
+                (a rank recorded another rank number or size).
+        """
         ranks = comm.gather(self.as_dict(), root=root)
         if comm.Get_rank() != root:
             return None
         for r, d in enumerate(ranks):  # a rank that traced nothing still has its place
+            if d["rank"] not in (None, r) or d["size"] not in (None, comm.Get_size()):
+                raise ValueError(f"rank {r} of the gathering communicator recorded solves as "
+                                 f"rank {d['rank']} of {d['size']}: gather over the solvers' "
+                                 f"communicator")
             d["rank"], d["size"] = r, comm.Get_size()
         return Trace(ranks, meta or {})

@@ -50,11 +50,19 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
         ``forward_solver.stats`` and ``backward_solver.stats`` are the solver's own counters
         of the traced solves (fresh model: nothing else ran). Solves are labelled
         ``"forward"`` and ``"adjoint"``.
+
+    Raises:
+        ValueError: both solves have one level (nothing to trace: the one-level exact path
+            runs no MGRIT solve) -- on every rank.
     """
     fwd = forward or MGRITOptions(max_levels=2, cfactor=4, max_iter=2, tol=0.0)
     bwd = backward or MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0)
     model = LayerParallelResNet.build(lambda k: DenseStep(width, act).to(dtype), n_layers,
                                       (width,), comm=comm, seed=seed, forward=fwd, backward=bwd)
+    if model.n_levels == (1, 1):
+        raise ValueError(f"forward={fwd!r} and backward={bwd!r} have one level each: the "
+                         f"ResNet then runs its one-level exact path, which has no MGRIT solve "
+                         f"to trace; use max_levels >= 2")
     tracer = Tracer()
     tracer.attach(model.forward_solver, "forward")
     tracer.attach(model.backward_solver, "adjoint")
