@@ -256,6 +256,7 @@ class MGRIT:
         self.stats += stats
         if tracer is not None:
             tracer.end_solve(stats)
+            del stats.tracer  # the class default again: the result's counters hold no recorder
         if not result.converged and (opts.tol > 0 or opts.rtol > 0):
             self._warned = not_converged(opts, result.final_residual, result.state_norm,
                                          self._warned, self.rank == 0)

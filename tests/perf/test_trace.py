@@ -172,3 +172,10 @@ def test_step_costs_fitted_to_recorded_steps():
     assert step_costs(one).item == pytest.approx(1.5) and step_costs(one).call == 0.0
     with pytest.raises(ValueError, match="no single step"):
         step_costs(Trace([{"rank": 0, "size": 1, "solves": [_solve(ev[3:], 0.0, 14.0)]}]))
+
+
+def test_one_level_resnet_has_nothing_to_trace():
+    from mgrit.options import MGRITOptions
+    one = MGRITOptions(max_levels=1)
+    with pytest.raises(ValueError, match="one-level exact path"):
+        trace_resnet(MPI.COMM_SELF, 8, 2, 2, forward=one, backward=one)
