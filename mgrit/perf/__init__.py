@@ -10,7 +10,9 @@ data-parallel, GPipe, MGRIT and hybrid grids), :mod:`~mgrit.perf.planner` (what 
 convergence probe of the user's network + calibrated costs -> a recommendation),
 :mod:`~mgrit.perf.lean` (the fastest serial loop for dense ResNets) and
 :mod:`~mgrit.perf.baselines` (GPipe and data parallelism over MPI), and
-:mod:`~mgrit.perf.calibration` (costs timed on the machine at hand).
+:mod:`~mgrit.perf.calibration` (costs timed on the machine at hand); the sub-room
+:mod:`~mgrit.perf.trace` records a real run's operations and messages on every rank and replays
+them to a critical path (not imported here).
 
 Depends on the solver core (grid, options, solver) and on :mod:`mgrit.nn` (calibration, lean
 loop, planner); never on :mod:`mgrit.training` or :mod:`mgrit.parallel`. Communicators: only
