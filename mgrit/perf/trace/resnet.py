@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     trace, _, _ = trace_resnet(comm, a.layers, a.width, a.batch,
                                MGRITOptions(max_iter=a.iters, **opts),
                                MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps)
-    pp = pingpong(comm, (8, a.batch * a.width * 8)) if a.pingpong else None
+    pp = pingpong(comm) if a.pingpong else None  # 8 B and 64 KiB messages
     if trace is not None:
         if pp is not None:
             trace.meta["pingpong"] = {"latency": pp.latency, "bandwidth": pp.bandwidth}
