@@ -1,7 +1,7 @@
 """Launch check functions on k MPI ranks from pytest and collect every rank's verdict.
 
 A check is a plain function ``check_x(**kwargs)`` in an importable module (usually
-``tests/mpi_cases/*.py``), run on every rank. The job is
+``tests/mpi_cases/<room>/*.py``), run on every rank. The job is
 
     OMP_NUM_THREADS=1 <mpiexec -n k python -m mpi4py tests/mpi_runner.py CALLS.json>
 

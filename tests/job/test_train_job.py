@@ -1,6 +1,6 @@
 """End-to-end tests of the main job ``experiments/train.py`` (tiny settings: digits, a few
 residual layers, 1-2 epochs, a few hundred samples): run directories, equality with plain-loop
-references written in ``tests/mpi_cases/trainer_ref_cases.py`` (bit for bit), every sample
+references written in ``tests/mpi_cases/training/trainer_ref_cases.py`` (bit for bit), every sample
 used with replicas, kill and resume.
 
 Launching python + torch costs seconds per rank, so the jobs are started a few at a time in a
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "train.py"
 TINY = ["--dataset", "digits", "--layers", "4", "--epochs", "1", "--limit-train", "200",
         "--limit-test", "100", "--batch-size", "50", "--no-progress"]
-# the settings of tests/mpi_cases/trainer_ref_cases.py (2 epochs, a partial last batch)
+# the settings of tests/mpi_cases/training/trainer_ref_cases.py (2 epochs, a partial last batch)
 REF = ["--dataset", "digits", "--layers", "8", "--width", "8", "--levels", "2", "--cfactor", "2",
        "--epochs", "2", "--limit-train", "200", "--limit-test", "100", "--batch-size", "48",
        "--seed", "1", "--no-progress"]
@@ -48,7 +48,7 @@ JOBS = {  # name: (ranks, flags)
 }
 TIMEOUT = 420  # generous: a loaded 2-core machine stretches start-up many times
 PARALLEL = 3
-R = "tests.mpi_cases.trainer_ref_cases"
+R = "tests.mpi_cases.training.trainer_ref_cases"
 REFS = MPIBatch(timeout=400)
 REFS.add(2, "mgrit", f"{R}:reference_end_to_end", method="mgrit")
 REFS.add(2, "serial", f"{R}:reference_end_to_end", method="serial")

@@ -92,7 +92,7 @@ def test_serial_job_equals_plain_adamw_cosine_loop(tmp_path):
     # the reference: independent construction and loop
     torch.set_default_dtype(torch.float64)
     try:
-        from tests.mpi_cases.trainer_ref_cases import _data, _ends
+        from tests.mpi_cases.training.trainer_ref_cases import _data, _ends
         x, y, _, _ = _data(seed, n, 50, torch.float64)
         opening, closing = _ends(seed, width)
         torch.manual_seed(layer_seed(seed, 0))

@@ -19,7 +19,7 @@ from tests.mpi_harness import run_mpi
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-CASES = "tests.mpi_cases.layerwise_cases"
+CASES = "tests.mpi_cases.training.layerwise_cases"
 EQ = "check_pipeline_equals_serial"
 
 

@@ -4,7 +4,7 @@ the text corpus (``data.text``) and the language-model loss, metric and sampling
 
 One process: corpus and split against the text itself; ``lm_loss`` / ``token_accuracy`` against
 ``F.cross_entropy`` over all tokens, also through ``Trainer.evaluate``; greedy sampling against
-step-by-step argmax; flag checks. Two ranks (one MPI job, ``tests/mpi_cases/
+step-by-step argmax; flag checks. Two ranks (one MPI job, ``tests/mpi_cases/training/
 transformer_model_cases.py``): exact-mode equality of each model's layer-parallel network with
 its serial form (float64, 1e-10), tiny end-to-end jobs, resume and ``--dp``, bad input.
 """
@@ -34,7 +34,7 @@ from mgrit.models.transformer_parts import PatchEmbedding, TokenEmbedding
 from tests.mpi_harness import MPIBatch
 from tests.experiments.regenerate_quick import MPIEXEC, ROOT
 
-C = "tests.mpi_cases.transformer_model_cases"
+C = "tests.mpi_cases.training.transformer_model_cases"
 BATCH = MPIBatch(timeout=500)
 for _name in ("staged-resnet", "vit", "gpt"):
     BATCH.add(2, f"exact-{_name}", f"{C}:check_builder_exact", model=_name)

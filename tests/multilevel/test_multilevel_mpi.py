@@ -10,7 +10,7 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.multilevel_cases"
+C = "tests.mpi_cases.training.multilevel_cases"
 BATCH = MPIBatch()
 for k in (2, 3):
     BATCH.add(k, "depth_transfer", f"{C}:check_depth_transfer")

@@ -2,7 +2,7 @@
 of the shipped steps, module hooks, parameters replaced after build, autocast and compiled
 steps, each against serial PyTorch autograd on the same weights (float64, 2 levels, solves to
 1e-13, compared at 1e-9 relative; autocast: float32/bfloat16 at 1e-6), on 1 rank in-process and
-on 2 and 3 ranks in one MPI job each. The checks are in ``tests/mpi_cases/contract_cases.py``.
+on 2 and 3 ranks in one MPI job each. The checks are in ``tests/mpi_cases/nn/contract_cases.py``.
 """
 import warnings
 
@@ -11,10 +11,10 @@ import torch
 
 from mgrit.nn import DenseStep, LayerParallelResNet
 from mgrit.nn.chains.contract import Fingerprint
-from tests.mpi_cases import contract_cases as C
+from tests.mpi_cases.nn import contract_cases as C
 from tests.mpi_harness import MPIBatch
 
-T = "tests.mpi_cases.contract_cases"
+T = "tests.mpi_cases.nn.contract_cases"
 DENSE = ["dense_subclass", "dense_buffer_subclass", "user_step", "dense"]
 CHECKS = ["check_replaced_activation", "check_hooks", "check_replaced_parameters",
           "check_changed_between_forward_and_backward", "check_autocast",

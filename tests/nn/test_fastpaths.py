@@ -24,7 +24,7 @@ from mgrit.propagator import Propagator
 from mgrit.solver import MGRIT
 from tests.mpi_harness import MPIBatch
 
-F = "tests.mpi_cases.fastpath_cases"
+F = "tests.mpi_cases.nn.fastpath_cases"
 BATCH = MPIBatch()
 USAGE = [("check_several_forwards_one_backward", {}), ("check_three_forwards_and_eval", {}),
          ("check_accumulation", {"order": "F1F2B2B1"}),
@@ -52,10 +52,10 @@ for k in (2, 3):
     BATCH.add(k, "one_level-mismatched_backwards", f"{F}:check_usage",
               check="check_mismatched_backwards")
     for arch in ("staged_conv", "buffered"):  # LayerParallelNet: one-level segments in a net
-        BATCH.add(k, f"one_level-net-{arch}", "tests.mpi_cases.segments_cases:check_exact",
+        BATCH.add(k, f"one_level-net-{arch}", "tests.mpi_cases.nn.segments_cases:check_exact",
                   arch=arch, levels=1)
     BATCH.add(k, "one_level-net-several_forwards",
-              "tests.mpi_cases.segments_cases:check_several_forwards", levels=1)
+              "tests.mpi_cases.nn.segments_cases:check_several_forwards", levels=1)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ serial PyTorch.
   parameters (2 replicas, and 2 layer x 2 data ranks, against the serial loop; replicas
   bitwise identical), and ``clip_grad_norm_`` / ``Trainer(clip_grad_norm=)`` equal
   ``torch.nn.utils.clip_grad_norm_`` on the serial model on 1, 2, 3 ranks and 2 x 2 (see
-  ``tests/mpi_cases/clip_cases.py``).
+  ``tests/mpi_cases/nn/clip_cases.py``).
 
 All MPI checks of one rank count run in one job (three jobs: 2, 3, 4 ranks).
 """
@@ -28,8 +28,8 @@ from mgrit.options import MGRITOptions
 from mgrit.solver import UnconvergedError, UnconvergedWarning
 from tests.mpi_harness import MPIBatch
 
-V = "tests.mpi_cases.verdict_cases"
-C = "tests.mpi_cases.clip_cases"
+V = "tests.mpi_cases.nn.verdict_cases"
+C = "tests.mpi_cases.nn.clip_cases"
 BATCH = MPIBatch(timeout=300)
 for _k in (2, 3, 4):
     for _norm in ("inf", "l2"):
@@ -54,7 +54,7 @@ def test_global_agreement_mpi(k, name):
 
 
 def test_clip_equals_serial_one_rank():
-    from tests.mpi_cases.clip_cases import check_clip_equals_serial
+    from tests.mpi_cases.nn.clip_cases import check_clip_equals_serial
     if MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("runs in the pytest process")
     check_clip_equals_serial(data_parallel=1)

@@ -6,7 +6,7 @@ same weights, for sequence lengths 10-23 (not divisible by the rank count), 2 an
 both coarse propagators, with and without the sequence output in the loss. One level: outputs
 bitwise ``nn.GRU``. Inexact mode: the gradient error falls with the iteration count. Bad input:
 the same ValueError on every rank. Autograd patterns on 1-3 ranks
-(``tests/mpi_cases/gru_autograd_cases.py``): several forwards then one backward, F1 F2 B1 B2,
+(``tests/mpi_cases/nn/gru_autograd_cases.py``): several forwards then one backward, F1 F2 B1 B2,
 ``retain_graph``, ``torch.autograd.grad``, an evaluation forward in between, non-reentrant
 checkpointing, frozen parameters, in-place changes as serial autograd treats them -- gradients
 within 1e-10 of serial autograd -- and the same RuntimeError on every rank for a second
@@ -22,8 +22,8 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.gru_cases"
-A = "tests.mpi_cases.gru_autograd_cases"
+C = "tests.mpi_cases.nn.gru_cases"
+A = "tests.mpi_cases.nn.gru_autograd_cases"
 AUTOGRAD_CHECKS = ["forwards_then_one_backward", "interleaved_backwards", "retain_graph",
                    "autograd_grad", "eval_forward_between", "checkpoint", "frozen",
                    "inplace_like_serial", "inplace_raises", "create_graph_refused"]

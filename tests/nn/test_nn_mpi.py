@@ -14,7 +14,7 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.nn_cases"
+C = "tests.mpi_cases.nn.nn_cases"
 BATCH = MPIBatch()
 EXACT_CASES = [  # kind, act, N, levels, cfactor, adjoint
     ("dense", "tanh", 13, 2, 4, "mgrit"),
@@ -37,15 +37,15 @@ for k in (1, 2, 3, 4):
     for kind, act, n in [("dense", "tanh", 13), ("conv", "smoothrelu", 10)]:
         BATCH.add(k, f"one_level_bitwise-{kind}-N{n}", f"{C}:check_one_level_bitwise",
                   kind=kind, act=act, n=n)
-    BATCH.add(k, "to_serial-dense", "tests.mpi_cases.nn_state_cases:check_to_serial", kind="dense", act="tanh", n=13,
+    BATCH.add(k, "to_serial-dense", "tests.mpi_cases.nn.nn_state_cases:check_to_serial", kind="dense", act="tanh", n=13,
               levels=3, cfactor=2)
-    BATCH.add(k, "state_dict_roundtrip", "tests.mpi_cases.nn_state_cases:check_state_dict_roundtrip", kind="dense",
+    BATCH.add(k, "state_dict_roundtrip", "tests.mpi_cases.nn.nn_state_cases:check_state_dict_roundtrip", kind="dense",
               act="tanh", n=10)
 for k in (1, 3):
     BATCH.add(k, "sgd_training-dense", f"{C}:check_sgd_training", kind="dense", act="tanh",
               n=13, levels=2, cfactor=4)
 for k in (1, 4):
-    BATCH.add(k, "to_serial-conv", "tests.mpi_cases.nn_state_cases:check_to_serial", kind="conv", act="relu", n=10,
+    BATCH.add(k, "to_serial-conv", "tests.mpi_cases.nn.nn_state_cases:check_to_serial", kind="conv", act="relu", n=10,
               levels=2, cfactor=4)
 for k in (2, 3):
     BATCH.add(k, "inexact_converges", f"{C}:check_inexact_converges", kind="dense", act="tanh",
@@ -60,7 +60,7 @@ for k, adj in [(2, "mgrit"), (3, "serial")]:
 BATCH.add(3, "finite_difference-twoconv", f"{C}:check_finite_difference", kind="twoconv",
           act="smoothrelu", n=10, levels=3, cfactor=2, adjoint="mgrit")
 for k in (3, 4):
-    BATCH.add(k, "state_dict_across_partitions", "tests.mpi_cases.nn_state_cases:check_state_dict_across_partitions",
+    BATCH.add(k, "state_dict_across_partitions", "tests.mpi_cases.nn.nn_state_cases:check_state_dict_across_partitions",
               kind="dense", act="tanh", n=13)
 
 

@@ -1,7 +1,7 @@
 """The layer-parallel ResNet used as PyTorch users use modules (issue 13 items 1-3 and the RNG
 bullet of item 8), against serial PyTorch autograd on the same weights, float64 exact mode,
 <= 1e-12 relative, on 1, 2 and 3 ranks (one MPI job per rank count: the checks are in
-tests/mpi_cases/nn_usage_cases.py and nn_module_cases.py).
+tests/mpi_cases/nn/nn_usage_cases.py and nn_module_cases.py).
 
 Serial (no mpiexec) unit tests of the batching proof (:mod:`mgrit.nn.chains.stacking`) are below the
 MPI checks.
@@ -15,8 +15,8 @@ from mgrit.nn.chains.stacking import batching_obstacle
 from mgrit.options import MGRITOptions
 from tests.mpi_harness import MPIBatch
 
-U = "tests.mpi_cases.nn_usage_cases"
-M = "tests.mpi_cases.nn_module_cases"
+U = "tests.mpi_cases.nn.nn_usage_cases"
+M = "tests.mpi_cases.nn.nn_module_cases"
 BATCH = MPIBatch()
 for k in (1, 2, 3):
     BATCH.add(k, "several_forwards_one_backward", f"{U}:check_several_forwards_one_backward")

@@ -17,7 +17,7 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.segments_cases"
+C = "tests.mpi_cases.nn.segments_cases"
 BATCH = MPIBatch()
 for k in (1, 2, 3, 4):
     for arch in ("staged_conv", "buffered"):

@@ -1,7 +1,7 @@
 """BatchNorm, Dropout and DropPath inside layer-parallel steps (mgrit/nn/steps/batchnorm.py,
 mgrit/nn/steps/stochastic.py).
 
-MPI (tests/mpi_cases/stateful_cases.py; one job per rank count): exact mode (float64, 1e-13)
+MPI (tests/mpi_cases/nn/stateful_cases.py; one job per rank count): exact mode (float64, 1e-13)
 against an independently built serial network trained by autograd and SGD on the same batches
 (and, with dropout, the same ``torch.manual_seed``): loss, every gradient, every
 ``running_mean`` / ``running_var`` / ``num_batches_tracked`` after 3 steps, evaluation outputs;
@@ -21,7 +21,7 @@ from mgrit.nn.steps.stochastic import Dropout, DropPath, NoiseSource
 from mgrit.options import MGRITOptions
 from tests.mpi_harness import MPIBatch
 
-C = "tests.mpi_cases.stateful_cases"
+C = "tests.mpi_cases.nn.stateful_cases"
 BATCH = MPIBatch()
 # one 4-rank job: P = 1 and P = 3 side by side (split communicators), then P = 4 and 2 x 2
 for kind in ("dense", "bnvar", "conv", "dropout", "vit"):

@@ -1,6 +1,6 @@
 """Weight-tied layers across ranks (``LayerParallelResNet(tie=...)``, mgrit/nn/resnet/tied.py) on 1-4
 ranks, N = 7 layers (not divisible by 2, 3, 4), float64 exact mode, against serial PyTorch
-autograd with the same tied module(s) (tests/mpi_cases/tied_cases.py): loss, output, every
+autograd with the same tied module(s) (tests/mpi_cases/nn/tied_cases.py): loss, output, every
 gradient right after ``backward()`` (a tied parameter's is the full serial gradient on every
 rank holding it, with no extra call), parameters after 3 SGD-momentum steps (to 1e-9
 relative), replicas bitwise identical. Cases: one module for all layers (a neural ODE), groups
@@ -15,12 +15,12 @@ test process.
 """
 import pytest
 
-from tests.mpi_cases import tied_cases
+from tests.mpi_cases.nn import tied_cases
 from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
 
-C = "tests.mpi_cases.tied_cases"
+C = "tests.mpi_cases.nn.tied_cases"
 BATCH = MPIBatch()
 CASES = {
     2: [("one", 2, True), ("groups", 1, True), ("albert", 2, True)],

@@ -14,7 +14,7 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.transformer_cases"
+C = "tests.mpi_cases.nn.transformer_cases"
 BATCH = MPIBatch()
 EXACT_CASES = [  # causal, N, levels, cfactor
     (False, 7, 2, 2), (False, 5, 3, 2), (True, 7, 3, 2), (True, 5, 2, 2),

@@ -15,7 +15,7 @@ from mgrit.parallel.dataparallel import average_gradients, check_replicas_consis
 from mgrit.parallel.procgrid import ProcessGrid, check_grid_shape, device_for_rank
 from tests.mpi_harness import MPIBatch
 
-C = "tests.mpi_cases.dp_cases"
+C = "tests.mpi_cases.core.dp_cases"
 BATCH = MPIBatch()
 BATCH.add(2, "dp_equals_serial", f"{C}:check_dp_equals_serial", global_batch=64)
 BATCH.add(2, "dp_equals_serial-small_buckets", f"{C}:check_dp_equals_serial", global_batch=64,
@@ -41,7 +41,7 @@ for k in (2, 4):
                  "broadcast_fixes_values"):
         BATCH.add(k, name, f"{C}:check_{name}")
     for name in ("buckets_match_average_gradients", "buckets_errors"):
-        BATCH.add(k, name, f"tests.mpi_cases.gradbuckets_cases:check_{name}")
+        BATCH.add(k, name, f"tests.mpi_cases.core.gradbuckets_cases:check_{name}")
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ BATCH = MPIBatch(timeout=300)
 CHECKS = ("gpipe_lean", "gpipe_module", "lean_data_parallel", "gpipe_bad_micro")
 for _n in (2, 3):
     for _c in CHECKS:
-        BATCH.add(_n, _c, f"tests.mpi_cases.perf_cases:check_{_c}")
+        BATCH.add(_n, _c, f"tests.mpi_cases.core.perf_cases:check_{_c}")
 
 
 def _net(N=13, w=4, act="tanh"):

@@ -7,7 +7,7 @@
 * on 1 rank (in process) and on 4 and 8 ranks (one MPI job each, oversubscribed): the trace's
   tallies equal the solver's own counters per rank and solve, sends and receives match one to
   one with equal bytes, and the replay equals :func:`mgrit.perf.model.simulate` per rank
-  (``tests/mpi_cases/trace_cases.py``). No timing assertions.
+  (``tests/mpi_cases/core/trace_cases.py``). No timing assertions.
 """
 import json
 
@@ -18,13 +18,13 @@ from mpi4py import MPI
 from mgrit.perf.model import CommCost, StepCost
 from mgrit.perf.trace import UNIT, Trace, replay, step_costs
 from mgrit.perf.trace.resnet import trace_resnet
-from tests.mpi_cases import trace_cases
+from tests.mpi_cases.core import trace_cases
 from tests.mpi_harness import MPIBatch
 
 BATCH = MPIBatch(timeout=600)
 for _n in (4, 8):
     for _c in ("solver_traces", "resnet_trace"):
-        BATCH.add(_n, _c, f"tests.mpi_cases.trace_cases:check_{_c}")
+        BATCH.add(_n, _c, f"tests.mpi_cases.core.trace_cases:check_{_c}")
 
 
 def _rank(r, solves):

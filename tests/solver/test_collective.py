@@ -1,6 +1,6 @@
 """Issue 25 item 1: a failure inside a collective section on one rank ends the job whatever the
 launch line, and a library rendezvous names the ranks that never arrived instead of hanging.
-The user script (tests/mpi_cases/collective_script.py) runs on 2 ranks with a plain
+The user script (tests/mpi_cases/core/collective_script.py) runs on 2 ranks with a plain
 ``mpiexec -n 2 python script.py`` (no ``-m mpi4py``, no fail_fast)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.job.test_train_job import ROOT, job_env
 
 pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips them)
 
-SCRIPT = ROOT / "tests" / "mpi_cases" / "collective_script.py"
+SCRIPT = ROOT / "tests" / "mpi_cases" / "core" / "collective_script.py"
 
 
 def _run(mode: str):

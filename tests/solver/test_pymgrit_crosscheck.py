@@ -43,6 +43,6 @@ def test_compare_histories_and_zero_dropping():
 @pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_histories_match_pymgrit_on_ranks(references, nprocs):
-    results = run_mpi("tests.mpi_cases.pymgrit_cases:check_all", nprocs, timeout=120,
+    results = run_mpi("tests.mpi_cases.core.pymgrit_cases:check_all", nprocs, timeout=120,
                       references=references, golden=GOLDEN)
     assert len(results) == nprocs and all(r is not None for r in results)

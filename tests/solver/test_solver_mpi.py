@@ -13,7 +13,7 @@ from tests.mpi_harness import MPIBatch
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
-C = "tests.mpi_cases.solver_cases"
+C = "tests.mpi_cases.core.solver_cases"
 BATCH = MPIBatch()
 for k in (1, 2, 3, 4):
     for batched in (True, False):

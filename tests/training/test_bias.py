@@ -13,10 +13,10 @@ from mpi4py import MPI
 from mgrit.parallel import ProcessGrid
 from mgrit.training.bias import BiasMonitor, measure_bias
 from layerpar.jobconfig import JobConfig
-from tests.mpi_cases import bias_cases as cases
+from tests.mpi_cases.training import bias_cases as cases
 from tests.mpi_harness import MPIBatch
 
-C = "tests.mpi_cases.bias_cases"
+C = "tests.mpi_cases.training.bias_cases"
 TMP = tempfile.mkdtemp(prefix="layerpar-bias-")
 BATCH = MPIBatch(timeout=400)
 BATCH.add(2, "estimator-P2", f"{C}:check_estimator", dp=1)

@@ -29,8 +29,8 @@ from tests.mpi_harness import MPIBatch, mpiexec_path
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 ROOT = Path(__file__).resolve().parents[2]
-C = "tests.mpi_cases.reliability_cases"
-V = "tests.mpi_cases.bad_input_cases"  # acceptance 2
+C = "tests.mpi_cases.training.reliability_cases"
+V = "tests.mpi_cases.training.bad_input_cases"  # acceptance 2
 TMP = tempfile.mkdtemp(prefix="layerpar-rel-")
 BATCH = MPIBatch(timeout=300)
 
@@ -97,7 +97,7 @@ def test_kill9_during_checkpoint_write(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert Path(str(path) + ".tmp").exists()  # the interrupted write
     import torch
-    from tests.mpi_cases.reliability_cases import params_after_one_step_loaded
+    from tests.mpi_cases.training.reliability_cases import params_after_one_step_loaded
     want, got, extra = params_after_one_step_loaded(str(path))
     assert extra["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(want, got))
@@ -137,7 +137,7 @@ def _run_trial(trial):
     env = _child_env()
     env["LAYERPAR_INJECT_FAULT"] = f"{rank}:{phase_name}:{entry}"
     cmd = [mpiexec_path(), "-n", str(P), sys.executable] + (["-m", "mpi4py"] if with_m else []) \
-        + [str(ROOT / "tests" / "mpi_cases" / "fault_job.py")]
+        + [str(ROOT / "tests" / "mpi_cases" / "training" / "fault_job.py")]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -17,7 +17,7 @@ from mgrit.training import Trainer
 from mgrit.training.epoch import UnconvergedWarning
 from tests.mpi_harness import MPIBatch
 
-C = "tests.mpi_cases.trainer_cases"
+C = "tests.mpi_cases.training.trainer_cases"
 TMP = tempfile.mkdtemp(prefix="layerpar-trainer-")
 BATCH = MPIBatch(timeout=400)
 for kind in ("serial", "mgrit"):

@@ -1,6 +1,6 @@
 """Rank-side checks of the reliability suite (mgrit.training.support.faults, mgrit.training.guard,
 mgrit.training.checkpoint): resume, convergence guard, non-finite states, kill -9 during a
-checkpoint write. The bad-input table is in :mod:`tests.mpi_cases.bad_input_cases`."""
+checkpoint write. The bad-input table is in :mod:`tests.mpi_cases.training.bad_input_cases`."""
 from __future__ import annotations
 
 import dataclasses

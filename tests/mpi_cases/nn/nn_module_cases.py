@@ -17,8 +17,8 @@ from torch import nn
 from mgrit.grid import Partition
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, ResidualStep, serial_resnet
 from mgrit.options import MGRITOptions
-from tests.mpi_cases.nn_cases import COMM, DT, _global_max, _rel
-from tests.mpi_cases.nn_usage_cases import (B, N, SEED, TOL, W, Side, build, compare, dense,
+from tests.mpi_cases.nn.nn_cases import COMM, DT, _global_max, _rel
+from tests.mpi_cases.nn.nn_usage_cases import (B, N, SEED, TOL, W, Side, build, compare, dense,
                                             inputs)
 
 

@@ -1,5 +1,5 @@
 """MPI checks of the one training loop for layer-wise methods and of synchronized BatchNorm in
-:class:`mgrit.training.Trainer` (run through tests/mpi_cases/layerwise_cases.py:check_many).
+:class:`mgrit.training.Trainer` (run through tests/mpi_cases/training/layerwise_cases.py:check_many).
 
 References are plain loops written here with torch and mpi4py only (no ``layerwise`` trainer,
 no Trainer): the global-batch schedule ``default_rng([seed, epoch]).permutation(n)`` split
@@ -25,7 +25,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid
 from mgrit.training import Trainer
-from tests.mpi_cases.interrupt import Stop, StopAt
+from tests.mpi_cases.training.interrupt import Stop, StopAt
 
 
 def _layers(seed=0, depth=3, width=10, d_in=12):

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from mgrit.parallel import ProcessGrid, clip_grad_norm_
 from mgrit.parallel.dataparallel import check_replicas_consistent
 from mgrit.training import Trainer
-from tests.mpi_cases.trainer_cases import _max_rel, _params, data, mgrit_net, serial_net
+from tests.mpi_cases.training.trainer_cases import _max_rel, _params, data, mgrit_net, serial_net
 
 COMM = MPI.COMM_WORLD
 N_LAYERS, LR = 6, 0.1

@@ -4,7 +4,7 @@ import torch
 from mpi4py import MPI
 
 from mgrit.parallel.dataparallel import GradientBuckets, average_gradients
-from tests.mpi_cases.dp_cases import _params
+from tests.mpi_cases.core.dp_cases import _params
 
 COMM = MPI.COMM_WORLD
 

@@ -19,7 +19,7 @@ from mgrit.parallel import ProcessGrid
 import mgrit.training.checkpoint as ck
 from mgrit.training import Trainer
 from mgrit.training.checkpoint import CheckpointError
-from tests.mpi_cases.interrupt import Stop, StopAt
+from tests.mpi_cases.training.interrupt import Stop, StopAt
 
 WIDTH, D_IN, CLASSES = 4, 3, 3
 

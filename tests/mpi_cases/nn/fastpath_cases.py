@@ -1,5 +1,5 @@
 """The one-level exact path of :class:`LayerParallelResNet` (``mgrit.nn.resnet.pipelined``) under every
-usage pattern of tests/mpi_cases/nn_usage_cases.py, against serial PyTorch autograd (float64),
+usage pattern of tests/mpi_cases/nn/nn_usage_cases.py, against serial PyTorch autograd (float64),
 run by tests/nn/test_fastpaths.py on 1, 2 and 3 ranks.
 
 The usage scenarios are those of nn_usage_cases, run with ``max_levels=1`` forward and adjoint
@@ -12,9 +12,9 @@ from torch import nn
 
 from mgrit.nn import LayerParallelResNet, serial_resnet
 from mgrit.options import MGRITOptions
-from tests.mpi_cases import nn_module_cases as NM
-from tests.mpi_cases import nn_usage_cases as U
-from tests.mpi_cases.nn_cases import COMM, DT, _global_max, _rel
+from tests.mpi_cases.nn import nn_module_cases as NM
+from tests.mpi_cases.nn import nn_usage_cases as U
+from tests.mpi_cases.nn.nn_cases import COMM, DT, _global_max, _rel
 
 ONE = MGRITOptions(max_levels=1)
 

@@ -5,7 +5,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from tests.mpi_cases.nn_cases import (BATCH, COMM, DT, _build, _build_net, _global_max,
+from tests.mpi_cases.nn.nn_cases import (BATCH, COMM, DT, _build, _build_net, _global_max,
                                       _net_input, _rand, _rel, _shape)
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from layerwise import (DecoupledModel, DecoupledPipeline, DecoupledTrainer, ResidualStep,
                        SequentialTrainer, global_batches, train_layerwise)
 from mgrit.parallel.procgrid import ProcessGrid
-from tests.mpi_cases.layerwise_loop_cases import (  # noqa: F401 (run by name in check_many)
+from tests.mpi_cases.training.layerwise_loop_cases import (  # noqa: F401 (run by name in check_many)
     check_layerwise_loop_equals_plain_loop, check_layerwise_resume,
     check_trainer_batchnorm_replicas)
 

@@ -1,7 +1,7 @@
 """Rank-side check of the reliability suite's acceptance 2 (tests/training/test_reliability.py): a table
 of bad inputs (options, solver, partition, network, grid, sampler, layer-wise model, guard,
 phase, checkpoints), each raising the named exception with the named words, the messages the
-same on every rank. Shares the network builder of :mod:`tests.mpi_cases.reliability_cases`."""
+same on every rank. Shares the network builder of :mod:`tests.mpi_cases.training.reliability_cases`."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.options import MGRITOptions
 from mgrit.training.checkpoint import load_checkpoint, save_checkpoint
 from mgrit.training.guard import ConvergenceGuard
-from tests.mpi_cases.reliability_cases import WIDTH, build
+from tests.mpi_cases.training.reliability_cases import WIDTH, build
 
 
 # -- acceptance 2: validation ----------------------------------------------------------------

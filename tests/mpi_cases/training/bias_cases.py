@@ -16,7 +16,7 @@ from mgrit.options import MGRITOptions
 from mgrit.parallel import ProcessGrid
 from mgrit.training import Trainer
 from mgrit.training.bias import BiasMonitor, measure_bias
-from tests.mpi_cases.interrupt import Stop, StopAt
+from tests.mpi_cases.training.interrupt import Stop, StopAt
 
 WIDTH, D_IN, CLASSES, N_LAYERS = 3, 3, 3, 7
 

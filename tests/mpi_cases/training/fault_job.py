@@ -2,7 +2,7 @@
 
 Run (with or without ``-m mpi4py``)::
 
-    LAYERPAR_INJECT_FAULT="1:coarse solve" mpiexec -n 3 python tests/mpi_cases/fault_job.py
+    LAYERPAR_INJECT_FAULT="1:coarse solve" mpiexec -n 3 python tests/mpi_cases/training/fault_job.py
 
 Without injection it trains 3 steps (:meth:`mgrit.training.Trainer.step`: every rank enters
 the phases forward relaxation, coarse solve, adjoint and gradient averaging; ``data loading``
@@ -15,7 +15,7 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(_here))))
 
 from mpi4py import MPI  # noqa: E402
 
@@ -29,7 +29,7 @@ def main():
     # imported after fail_fast on purpose: a failing import is reported (and ends the job) too
     import torch
     from mgrit.parallel import ProcessGrid
-    from tests.mpi_cases.reliability_cases import BATCH, build, make_data
+    from tests.mpi_cases.training.reliability_cases import BATCH, build, make_data
     grid = ProcessGrid(comm, data_parallel=2 if comm.Get_size() == 4 else 1)
     net, opt = build(grid.layer_comm, "inexact")
     trainer = Trainer(net, opt, grid)

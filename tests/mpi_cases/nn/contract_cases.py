@@ -16,7 +16,7 @@ from mgrit.nn import (ConvStep, DenseStep, LayerParallelNet, LayerParallelResNet
 from mgrit.nn.chains.compiled import plain_module
 from mgrit.nn.chains.contract import kernel
 from mgrit.options import MGRITOptions
-from tests.mpi_cases.nn_cases import COMM, _global_max, _rand, _rel
+from tests.mpi_cases.nn.nn_cases import COMM, _global_max, _rand, _rel
 
 TOL = 1e-9
 EXACT = MGRITOptions(max_levels=2, cfactor=2, tol=1e-13, max_iter=80)

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet
 from mgrit.options import MGRITOptions
-from tests.mpi_cases.nn_cases import COMM, DT, _global_max, _rand, _rel
+from tests.mpi_cases.nn.nn_cases import COMM, DT, _global_max, _rand, _rel
 
 W, N, B, T, SEED = 3, 10, 4, 2.0, 3
 TOL = 1e-12
