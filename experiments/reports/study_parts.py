@@ -20,6 +20,8 @@ from typing import Mapping
 import h5py
 import numpy as np
 
+from mgrit.training import report as reporting
+
 __all__ = ["write_part", "read_part", "parts_in", "idle_barrier", "write_headline"]
 
 
@@ -64,6 +66,7 @@ def write_part(path: str | os.PathLike, part: str, series: Mapping[str, object],
     last part written; ``attrs["meta/<part>"]`` holds each part's metadata as JSON.
     """
     path = Path(path)
+    meta = reporting.finish_metadata(meta)  # the part's load when its results are written
     data, attrs = _read_all(path)
     data = {k: v for k, v in data.items() if not k.startswith(part + "/")}
     data.update({f"{part}/{k}": np.asarray(v) for k, v in series.items()})

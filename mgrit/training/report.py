@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["run_metadata", "finish_metadata", "load_flagged", "results_dir", "create_checked",
+__all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "results_dir", "create_checked",
            "save_series", "markdown_table", "write_table", "write_raw", "spread", "skip",
            "plot_lines", "add_study_flags", "PROVENANCE_KEYS", "LOAD_FLAG", "EXIT_SKIP"]
 
@@ -115,6 +115,18 @@ def load_flagged(meta: Mapping) -> bool:
         except (KeyError, IndexError, ValueError):
             pass
     return False
+
+
+def part_lines(part: str, meta: Mapping) -> list[str]:
+    """The metadata lines of one part of a table with parts (written by its report builder,
+    not :func:`write_table`): ``- <part> part: key `value`, ...`` over
+    ``PROVENANCE_KEYS + ("world_size",)`` and, when :func:`load_flagged`, an indented
+    ``  - warning: LOAD_FLAG`` line under it."""
+    keys = (*PROVENANCE_KEYS, "world_size")
+    out = [f"- {part} part: " + ", ".join(f"{k} `{meta.get(k)}`" for k in keys)]
+    if load_flagged(meta):
+        out.append(f"  - warning: {LOAD_FLAG} ({part} part)")
+    return out
 
 
 def skip(reason: str) -> int:
