@@ -13,7 +13,8 @@ Studies (``--study``):
   training).
 * ``tied_resnet``: the weight-tied ResNet (``--tied``, one step module for all layers) vs its
   untied twin, serial and layer-parallel, seeds 0, 1, 2. Needs the main job's ``--tied`` flag;
-  without it the study writes ``skipped.md`` saying so and exits 0.
+  without it the study prints why and exits with ``EXIT_SKIP`` (``experiments/regenerate.py``
+  lists it as ``skip``).
 
 Usage (plain python: the script launches the 2-rank jobs itself with the venv's mpiexec)::
 
@@ -43,7 +44,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
 from experiments.records import records  # noqa: E402
-from mgrit.training.report import add_study_flags, results_dir, run_metadata  # noqa: E402
+from mgrit.training.report import add_study_flags, results_dir, run_metadata, skip  # noqa: E402
 
 SEEDS = (0, 1, 2)
 _ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--batch-size", "50"]
@@ -142,11 +143,8 @@ def main(argv=None) -> int:
     base = results_dir(a.study, a.out or OUT)
     seeds = a.seeds or ((0,) if a.smoke else SEEDS)
     if a.study == "tied_resnet" and not has_flag("--tied"):
-        msg = ("skipped: the main job has no --tied flag yet (weight-tied layers, issue 23 "
-               "item 3); rerun after it is merged")
-        (base / "skipped.md").write_text(msg + "\n")
-        print(msg)
-        return 0
+        return skip("the main job has no --tied flag yet (weight-tied layers, issue 23 item 3); "
+                    "rerun after it is merged")
     if not a.report_only:
         for model in STUDIES[a.study]:
             for seed in seeds:
