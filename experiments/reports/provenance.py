@@ -91,7 +91,10 @@ def table_runs(text: str) -> list[dict]:
 
 
 def _missing(meta: dict) -> list[str]:
-    return [k for k in PROVENANCE_KEYS if str(meta.get(k, "")).strip() in ("", "None")]
+    """Keys of PROVENANCE_KEYS that ``meta`` lacks, has empty, ``None`` or ``unknown...``."""
+    return [k for k in PROVENANCE_KEYS
+            if str(meta.get(k, "")).strip() in ("", "None") or
+            str(meta.get(k)).startswith("unknown")]
 
 
 def _check_runs(runs: list[dict], text: str | None) -> list[str]:
