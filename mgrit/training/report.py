@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "results_dir", "create_checked",
+__all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "meta_lines", "results_dir", "create_checked",
            "save_series", "markdown_table", "write_table", "write_raw", "spread", "skip",
            "plot_lines", "add_study_flags", "PROVENANCE_KEYS", "LOAD_FLAG", "EXIT_SKIP"]
 
@@ -192,16 +192,25 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
-def write_table(path: str | os.PathLike, title: str, meta: Mapping, body: str) -> None:
-    """Write ``# title``, the metadata block (one ``- key: value`` line per key of ``meta``,
-    with ``loadavg_after`` and ``cores`` added by :func:`finish_metadata`, and the line
-    ``- warning: LOAD_FLAG`` when :func:`load_flagged`), then ``body`` (markdown) to ``path``."""
+def meta_lines(meta: Mapping) -> list[str]:
+    """The metadata block of a table: ``meta`` completed by :func:`finish_metadata`, one
+    ``- key: value`` line per key (the command in backticks), and ``- warning: LOAD_FLAG (...)``
+    when :func:`load_flagged`. For scripts that write their own header (:func:`write_table`
+    uses it)."""
     meta = finish_metadata(meta)
-    head = [f"# {title}", ""]
-    head += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    out = [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
     if load_flagged(meta):
-        head += [f"- warning: {LOAD_FLAG} (1-minute load average {meta['loadavg'].split()[0]} "
-                 f"before, {meta['loadavg_after'].split()[0]} after, on {meta['cores']} cores)"]
+        out += [f"- warning: {LOAD_FLAG} (1-minute load average {meta['loadavg'].split()[0]} "
+                f"before, {meta['loadavg_after'].split()[0]} after, on {meta['cores']} cores)"]
+    return out
+
+
+def write_table(path: str | os.PathLike, title: str, meta: Mapping, body: str) -> None:
+    """Write ``# title``, the metadata block (:func:`meta_lines`: one ``- key: value`` line per
+    key of ``meta``, with ``loadavg_after`` and ``cores`` added by :func:`finish_metadata`, and
+    the line ``- warning: LOAD_FLAG`` when :func:`load_flagged`), then ``body`` (markdown) to
+    ``path``."""
+    head = [f"# {title}", "", *meta_lines(meta)]
     Path(path).write_text("\n".join(head) + "\n\n" + body.rstrip() + "\n")
 
 
