@@ -70,15 +70,16 @@ def results_files(results: str | Path) -> list[Path]:
 def table_runs(text: str) -> list[dict]:
     """The runs named by a markdown table's metadata block: one dict per ``- <part> part:``
     line, or else one dict of its ``- key: value`` lines (command values lose their
-    backticks). The block is the list that follows the ``# title``."""
+    backticks). The block is the first list of the file, before any table or ``## `` section
+    (a paragraph between the title and the list is allowed)."""
     lines = text.splitlines()
     block, started = [], False
     for ln in lines[1:]:
         if ln.startswith("- ") or ln.startswith("  - "):
             started = True
             block.append(ln)
-        elif started or (ln.strip() and not ln.startswith("#")):
-            break
+        elif started or ln.startswith("|") or ln.startswith("## "):
+            break  # the block ends, or a table / section came first: no block
     parts = [dict(_PAIR.findall(m.group(2))) for m in map(_PART.match, block) if m]
     if parts:
         return parts

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 
 _R = "regenerated in issue 24's records run"
-_OWN = _R + " (its script writes its own header, not write_table: convert it then)"
+_OWN = _R + " (written before its script wrote the metadata block of report.meta_lines)"
 #: Committed results files that lack provenance (written before ``cores`` and ``loadavg_after``
 #: existed, or by a script with its own header). The list only shrinks: a listed file that
 #: passes, or no longer exists, fails the test until it is removed from here.
