@@ -118,6 +118,9 @@ REGISTRY: tuple[Entry, ...] = (
           ("--smoke", "--out", "{out}"), "timing", "transformer helper"),
     Entry("bench_gru", "experiments/benchmarks/bench_gru.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "GRU helper"),
+    # the fast paths' per-call contract check (its raw per-repeat numbers beside the table)
+    Entry("bench_fingerprint", "experiments/benchmarks/bench_fingerprint.py", None, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
     Entry("study_multilevel", "experiments/studies/study_multilevel.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
     # the main job's records: its acceptance (G3) and issues 15 and 18 (the scripts launch
