@@ -215,3 +215,12 @@ def test_top_readme_quotes_the_transformer_records():
             f"and {hi:.1f} points above")
     readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
     assert want in readme
+
+
+def test_readme_names_the_commit_of_the_manifest():
+    """The README's statement of the committed tables names the commit of the stored
+    ``manifest.json`` (the last ``regenerate.py --full``)."""
+    commit = json.loads((RESULTS / "manifest.json").read_text())["meta"]["commit"]
+    text = re.sub(r"\s+", " ", rg.README.read_text())
+    stated = re.search(r"`python experiments/regenerate.py --full` at commit `([^`]+)`", text)
+    assert stated is not None and stated.group(1) == commit
