@@ -119,8 +119,8 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("bench_gru", "experiments/benchmarks/bench_gru.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "GRU helper"),
     # the fast paths' per-call contract check (its raw per-repeat numbers beside the table)
-    Entry("bench_fingerprint", "experiments/benchmarks/bench_fingerprint.py", None, ("--out", "{out}"),
-          ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
+    Entry("bench_fingerprint", "experiments/benchmarks/bench_fingerprint.py", None,
+          ("--out", "{out}"), ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
     Entry("study_multilevel", "experiments/studies/study_multilevel.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
     # the main job's records: its acceptance (G3) and issues 15 and 18 (the scripts launch
@@ -188,7 +188,8 @@ def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    return {"name": e.name, "command": " ".join(cmd), "status": status(rc, log.read_text(errors="replace")),
+    return {"name": e.name, "command": " ".join(cmd),
+            "status": status(rc, log.read_text(errors="replace")),
             "seconds": round(time.perf_counter() - t0, 1), "log": str(log), "kind": e.kind,
             "owner": e.owner}
 

@@ -36,7 +36,8 @@ OUT = ROOT / "experiments" / "results" / "records"  # default results base folde
 
 from experiments.records import records  # noqa: E402
 from experiments.records.records import SMOKE, exact_evaluation  # noqa: E402,F401 (this script's API)
-from mgrit.training.report import add_study_flags, results_dir, run_metadata, write_table  # noqa: E402
+from mgrit.training.report import (add_study_flags, results_dir, run_metadata,  # noqa: E402
+                                   write_table)
 
 STUDY = "transformers"
 #: model -> (flags of both methods, flags of the MGRIT run only, what is compared, target).

@@ -154,7 +154,8 @@ def test_write_raw_keeps_every_repeat_with_its_spread(tmp_path):
 
 
 FAKE = {"fake_ok": "print('done')",
-        "fake_skip": f"print('SKIP: no widget on this machine'); raise SystemExit({report.EXIT_SKIP})",
+        "fake_skip": ("print('SKIP: no widget on this machine'); "
+                      f"raise SystemExit({report.EXIT_SKIP})"),
         "fake_fail": "raise SystemExit(3)"}
 
 
@@ -169,7 +170,8 @@ def test_regenerate_lists_a_script_that_did_nothing_as_skip(tmp_path):
     meta = report.run_metadata()
     records = rg.run_all("full", "all", out, None, 1, registry=tuple(registry))
     rg.write_manifest(out, records, "full", "all", meta)
-    recs = {r["name"]: r["status"] for r in json.loads((out / "manifest.json").read_text())["records"]}
+    manifest = json.loads((out / "manifest.json").read_text())
+    recs = {r["name"]: r["status"] for r in manifest["records"]}
     assert recs == {"fake_ok": "ok", "fake_skip": "skip (no widget on this machine)",
                     "fake_fail": "failed (3)"}
     assert "| fake_skip | timing | test | skip (no widget on this machine) |" in \
