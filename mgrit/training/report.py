@@ -37,7 +37,8 @@ import numpy as np
 
 __all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "meta_lines",
            "results_dir", "create_checked", "save_series", "markdown_table", "write_table",
-           "write_raw", "spread", "skip", "plot_lines", "add_study_flags", "PROVENANCE_KEYS", "LOAD_FLAG", "EXIT_SKIP"]
+           "write_raw", "spread", "skip", "plot_lines", "add_study_flags", "PROVENANCE_KEYS",
+           "LOAD_FLAG", "EXIT_SKIP"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
