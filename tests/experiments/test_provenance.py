@@ -138,6 +138,23 @@ def test_parts_store_and_part_lines_carry_provenance(tmp_path, load):
     assert prov.problems(tmp_path / "table.md") == ["run 0: no cores"]
 
 
+def test_part_stored_without_the_load_after_never_reads_todays(tmp_path):
+    """A part written before ``cores``/``loadavg_after`` existed: a report rebuilt from it
+    says they were not recorded (and the check fails it), never the load of today."""
+    import h5py
+    from experiments.reports.study_parts import read_part
+    old = {k: "x" for k in ("command", "commit", "machine", "date")} | {"loadavg": "0.1 0.1 0.1"}
+    with h5py.File(tmp_path / "results.h5", "w") as f:
+        f.create_dataset("accuracy/a", data=[1.0])
+        f.attrs["meta/accuracy"] = json.dumps(old)
+    _, meta = read_part(tmp_path / "results.h5", "accuracy")
+    assert meta == old | {"cores": "unknown (not recorded)",
+                          "loadavg_after": "unknown (not recorded)"}
+    assert prov.problems(tmp_path / "results.h5") == ["run 0: no cores, loadavg_after"]
+    (tmp_path / "table.md").write_text("# T\n\n" + "\n".join(report.part_lines("a", meta)))
+    assert prov.problems(tmp_path / "table.md") == ["run 0: no cores, loadavg_after"]
+
+
 def test_write_raw_keeps_every_repeat_with_its_spread(tmp_path):
     vals = [0.30, 0.10, 0.20, 1.00, 0.25]
     out = report.write_raw(tmp_path / "t.raw.json", {"serial": vals}, report.run_metadata(), "s")
