@@ -238,8 +238,12 @@ def test_top_readme_quotes_the_transformer_records():
 
 def test_readme_names_the_commit_of_the_manifest():
     """The README's statement of the committed tables names the commit of the stored
-    ``manifest.json`` (the last ``regenerate.py --full``)."""
+    ``manifest.json`` (the last ``regenerate.py --full``) and of its stated exception."""
     commit = json.loads((RESULTS / "manifest.json").read_text())["meta"]["commit"]
     text = re.sub(r"\s+", " ", rg.README.read_text())
     stated = re.search(r"`python experiments/regenerate.py --full` at commit `([^`]+)`", text)
     assert stated is not None and stated.group(1) == commit
+    # the stated exception: the planner's validation, at the commit its table names
+    exc = re.search(r"now registered as `plan_validation`: at `([0-9a-f]+)`", text)
+    table = (RESULTS / "benchmarks" / "plan_validation.md").read_text()
+    assert exc is not None and re.search(rf"commit:? `?{exc.group(1)}\b", table)
