@@ -30,7 +30,13 @@ The results mirror the scripts' folders: a script in ``experiments/<room>/`` (``
 study lands in ``experiments/results/<room>/<study>/``; ``MANIFEST.md``, ``manifest.json`` and
 ``logs/`` stay at the top of the output folder.
 
-Exit status: 0 when every launched script succeeded, 1 otherwise.
+Statuses in the manifest: ``ok`` (exit 0), ``skip (<reason>)`` (the script ran and did nothing
+on this machine: it exited with :data:`mgrit.training.report.EXIT_SKIP`, 75, after printing
+``SKIP: <reason>``, e.g. a GPU benchmark without a GPU), ``failed (<exit status>)``,
+``missing (...)`` (a registered script that does not exist) and ``not run (...)`` (not in this
+mode or part). The generated README block lists the scripts of the last run that were ``skip``.
+
+Exit status: 0 when no launched script failed (``skip`` is not a failure), 1 otherwise.
 """
 from __future__ import annotations
 
@@ -112,6 +118,9 @@ REGISTRY: tuple[Entry, ...] = (
           ("--smoke", "--out", "{out}"), "timing", "transformer helper"),
     Entry("bench_gru", "experiments/benchmarks/bench_gru.py", None, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "GRU helper"),
+    # the fast paths' per-call contract check (its raw per-repeat numbers beside the table)
+    Entry("bench_fingerprint", "experiments/benchmarks/bench_fingerprint.py", None,
+          ("--out", "{out}"), ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
     Entry("study_multilevel", "experiments/studies/study_multilevel.py", 2, ("--full", "--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "multilevel helper"),
     # the main job's records: its acceptance (G3) and issues 15 and 18 (the scripts launch
@@ -160,6 +169,18 @@ def command(e: Entry, mode: str, part: str, out: Path) -> list[str] | None:
     return head + [str(ROOT / e.script)] + args
 
 
+def status(rc: int | str, log: str) -> str:
+    """The manifest status of an exit status ``rc`` (``"timeout"`` when killed) and the
+    script's output ``log``: ``ok``, ``skip (<reason>)`` for :data:`reporting.EXIT_SKIP` (the
+    reason: the last ``SKIP:`` line of the log), or ``failed (<rc>)``."""
+    if rc == 0:
+        return "ok"
+    if rc == reporting.EXIT_SKIP:
+        why = [ln[len("SKIP:"):].strip() for ln in log.splitlines() if ln.startswith("SKIP:")]
+        return f"skip ({why[-1] if why else 'no reason printed'})"
+    return f"failed ({rc})"
+
+
 def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -171,18 +192,21 @@ def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    return {"name": e.name, "command": " ".join(cmd), "status": "ok" if rc == 0 else f"failed ({rc})",
+    return {"name": e.name, "command": " ".join(cmd),
+            "status": status(rc, log.read_text(errors="replace")),
             "seconds": round(time.perf_counter() - t0, 1), "log": str(log), "kind": e.kind,
             "owner": e.owner}
 
 
-def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: int) -> list[dict]:
-    """Run the selected entries (``jobs`` at a time); returns one record per entry."""
+def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: int,
+            registry: Sequence[Entry] = REGISTRY) -> list[dict]:
+    """Run the selected entries of ``registry`` (default :data:`REGISTRY`; ``jobs`` at a
+    time); returns one record per entry, in registry order."""
     out.mkdir(parents=True, exist_ok=True)
     logdir = out / "logs"
     logdir.mkdir(exist_ok=True)
     records, todo = [], []
-    for e in REGISTRY:
+    for e in registry:
         if only and e.name not in only:
             continue
         base = {"name": e.name, "kind": e.kind, "owner": e.owner, "seconds": 0.0, "command": ""}
@@ -192,7 +216,7 @@ def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: i
         cmd = command(e, mode, part, out)
         if cmd is None:
             why = "no quick mode yet" if mode == "quick" and e.quick is None else f"not in part {part}"
-            records.append(dict(base, status=f"skipped ({why})"))
+            records.append(dict(base, status=f"not run ({why})"))
             continue
         todo.append((e, cmd, e.quick_timeout if mode == "quick" else e.timeout))
     with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -201,12 +225,16 @@ def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: i
             r = f.result()
             print(f"[{r['status']}] {r['name']} ({r['seconds']} s): {r['command']}", flush=True)
             records.append(r)
-    order = {e.name: i for i, e in enumerate(REGISTRY)}
+    order = {e.name: i for i, e in enumerate(registry)}
     return sorted(records, key=lambda r: order[r["name"]])
 
 
-def write_manifest(out: Path, records: list[dict], mode: str, part: str) -> None:
-    meta = reporting.run_metadata()
+def write_manifest(out: Path, records: list[dict], mode: str, part: str,
+                   meta: dict | None = None) -> None:
+    """``MANIFEST.md`` and ``manifest.json`` of a run: ``meta`` (the run's
+    :func:`reporting.run_metadata`, taken when it started; default: now) completed with the load
+    after, and one row per record."""
+    meta = reporting.finish_metadata(meta if meta is not None else reporting.run_metadata())
     rows = [[r["name"], r["kind"], r["owner"], r["status"], r["seconds"], f"`{r['command']}`"]
             for r in records]
     body = (f"Mode `{mode}`, part `{part}`. Timing-sensitive kinds (`timing`, `mixed`, the "
@@ -218,9 +246,23 @@ def write_manifest(out: Path, records: list[dict], mode: str, part: str) -> None
     (out / "manifest.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 
+def skipped_line(results: Path) -> str:
+    """The README's line naming the scripts that were ``skip`` in the run of
+    ``results/manifest.json`` (empty when none, or no manifest)."""
+    f = results / "manifest.json"
+    if not f.is_file():
+        return ""
+    recs = [r for r in json.loads(f.read_text())["records"] if r["status"].startswith("skip")]
+    if not recs:
+        return ""
+    return ("Did nothing in the last run (`skip`, no result from this machine): "
+            + "; ".join(f"`{r['name']}` {r['status'][len('skip '):]}" for r in recs) + ".")
+
+
 def readme_block(results: Path) -> str:
     """The generated block of experiments/README.md: every study's headline rows (written by
-    the study from its results) with the commit of the run that produced them."""
+    the study from its results) with the commit of the run that produced them, then
+    :func:`skipped_line`."""
     rows = []
     for e in REGISTRY:
         # a study folder (results/<name>/headline.json + summary.md) or a benchmark table
@@ -232,10 +274,12 @@ def readme_block(results: Path) -> str:
                 h = json.loads(f.read_text())
                 rows += [[f"[{e.name}]({link})", r["claim"], r["ours"], r.get("kind", "measured"),
                           ", ".join(h["commits"])] for r in h["rows"]]
+    skipped = skipped_line(results)
     if not rows:
-        return "No study has written headline.json yet."
-    return reporting.markdown_table(["study", "published claim / question", "ours",
-                                     "kind", "commit of the run"], rows)
+        return "\n\n".join(x for x in ("No study has written headline.json yet.", skipped) if x)
+    table = reporting.markdown_table(["study", "published claim / question", "ours",
+                                      "kind", "commit of the run"], rows)
+    return table + (f"\n\n{skipped}" if skipped else "")
 
 
 def update_readme(results: Path) -> None:
@@ -281,8 +325,9 @@ def main(argv=None) -> int:
         out = Path(a.out)
     else:
         out = Path(tempfile.mkdtemp(prefix="layerpar_quick_")) if a.quick else ROOT / "experiments" / "results"
+    meta = reporting.run_metadata()
     records = run_all(m, a.part, out, a.only, a.jobs)
-    write_manifest(out, records, m, a.part)
+    write_manifest(out, records, m, a.part, meta)
     if m == "full" and out.resolve() == (ROOT / "experiments" / "results").resolve():
         update_readme(out)
     failed = [r["name"] for r in records if r["status"].startswith("failed")]

@@ -46,6 +46,7 @@ from data import GlobalBatchSampler, open_h5_pair, prepare, write_idx  # noqa: E
 from data.cifar import load_cifar10  # noqa: E402
 from data.datasets import mnist5k_arrays  # noqa: E402
 from data.idx import load_mnist  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 
 
 def timed(fn, repeats):
@@ -135,7 +136,8 @@ def main(argv=None):
     import h5py
 
     rows = []
-    load_before = os.getloadavg()
+    prov = reporting.run_metadata(["experiments/benchmarks/bench_data.py",
+                                   *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         sets = [
@@ -169,13 +171,12 @@ def main(argv=None):
     lines = [
         "# Data read throughput: source formats vs HDF5 cache",
         "",
-        f"Measured by `python experiments/benchmarks/bench_data.py` on {time.strftime('%Y-%m-%d')}: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-        f"numpy {np.__version__}, h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}). "
+        *reporting.meta_lines(prov),  # + the load after the run, and the flag when loaded
+        "",
+        f"{platform.processor() or platform.machine()}, numpy {np.__version__}, h5py "
+        f"{h5py.__version__} (HDF5 {h5py.version.hdf5_version}). "
         f"Samples per second, median of {args.repeats} runs after a warm-up; files in the OS page cache "
-        f"(warm reads, local disk). Single process. 1-min load average {load_before[0]:.1f} before and "
-        f"{os.getloadavg()[0]:.1f} after the run (shared machine: other jobs compete for the 2 cores, "
-        "so figures are indicative).",
+        f"(warm reads, local disk). Single process.",
         "",
         "| data set | source format | samples | HDF5 MB | source parse | HDF5 full read | "
         "HDF5 shards R=1 (auto) | HDF5 shards R=4, rank 0 (auto) | HDF5 shards R=1 (h5py) | "

@@ -39,7 +39,6 @@ prediction of every configuration (P_D = 1, P_D = 2, GPipe) from a 1-process cal
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -291,7 +290,7 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.pairs, args.global_batch, args.cnn_batch = 2, 1, 128, 32
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    prov = reporting.run_metadata()  # commit (+dirty), machine, cores, date, load before
     pairs = [(launch(1, args), launch(2, args)) for _ in range(args.pairs)]  # alternated: a
     r1, r2 = merge([a for a, _ in pairs]), merge([b for _, b in pairs])   # drift hits both
 
@@ -303,7 +302,6 @@ def main() -> None:
             two = next(r for r in b["runs"] if r["model"] == name and r["averaging"] == mode)
             out.append(one[key] / two[key] if inverse else two[key] / one[key])
         return statistics.median(out)
-    commit = reporting.run_metadata()["commit"]  # "+dirty" when code differs from the commit
     defaults = (args.steps, args.global_batch, args.cnn_batch, args.pairs) == (10, 512, 128, 3)
     cmd = "python experiments/benchmarks/bench_dataparallel.py" + ("" if defaults else " --quick" if args.quick else
         f" --steps {args.steps} --global-batch {args.global_batch} --cnn-batch {args.cnn_batch}"
@@ -312,13 +310,8 @@ def main() -> None:
     lines = [
         "# Data-parallel throughput and bucketed gradient averaging",
         "",
-        f"- command: `{cmd}`",
-        f"- commit: `{commit}`",
-        f"- machine: {platform.node()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, {platform.system()} {platform.release()}; "
-        f"torch {r1['torch']}, {r1['mpi']}",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; load average "
-        f"(1/5/15 min) before the run: {load} on {os.cpu_count()} cores",
+        *reporting.meta_lines(dict(prov, command=cmd)),  # + the load after the runs
+        f"- software: {platform.system()} {platform.release()}; torch {r1['torch']}, {r1['mpi']}",
         f"- set-up: OMP_NUM_THREADS=1 per rank, float32, SGD+momentum, mnist5k via "
         f"GlobalBatchSampler, median of {args.steps} steps after 2 warm-up steps (step time = max "
         f"over ranks, without the barrier that separates forward+backward from the averaging). "

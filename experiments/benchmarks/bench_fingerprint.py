@@ -17,14 +17,15 @@ On and off alternate within every repeat (the order flips between repeats), so t
 a shared machine hits both alike; the tables give the median over R repeats, the spread
 (interquartile range) of each, and the difference of the medians next to the check's own time.
 
-Writes ``experiments/results/benchmarks/fingerprint_overhead.md`` and ``.json`` (``--out DIR``).
+Writes ``experiments/results/benchmarks/fingerprint_overhead.md`` and, beside it, every
+per-repeat time in seconds with its median, quartiles and min/max
+(``fingerprint_overhead.raw.json``, :func:`mgrit.training.report.write_raw`; series
+``N=<n>/<what>``); ``--out DIR``.
 Usage: ``OMP_NUM_THREADS=1 python experiments/benchmarks/bench_fingerprint.py [--repeats R] [--smoke]``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base fo
 from mgrit.nn import DenseStep, LayerParallelResNet  # noqa: E402
 from mgrit.nn.chains.contract import autocast_enabled  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training.report import markdown_table, run_metadata, write_table  # noqa: E402
+from mgrit.training.report import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
 
 WIDTH, BATCH = 8, 64
 
@@ -59,12 +60,9 @@ def _switch(model, on: bool) -> None:
             model.__dict__[name] = lambda: None
 
 
-def _stats(ts) -> dict:
-    q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-    return {"median": statistics.median(ts), "iqr": q[2] - q[0], "n": len(ts)}
-
-
 def bench(n: int, repeats: int) -> dict:
+    """Per-repeat seconds of ``check`` (one call), ``forward on|off`` and ``train on|off`` at
+    N = ``n`` layers: ``{series: [repeats floats]}`` in the order measured."""
     torch.manual_seed(0)
     model = _model(n)
     fp = model._fingerprint
@@ -99,7 +97,7 @@ def bench(n: int, repeats: int) -> dict:
                 _switch(model, on)
                 out[f"{what} {'on' if on else 'off'}"].append(_once(f))
         _switch(model, True)
-    return {k: _stats(v) for k, v in out.items()} | {"raw": out}
+    return out
 
 
 def _once(f) -> float:
@@ -121,9 +119,14 @@ def main(argv=None) -> None:
         ap.error(f"--repeats {args.repeats} is not allowed: use an int >= 1")
     torch.set_num_threads(1)
     meta = run_metadata(sys.argv if argv is None else ["bench_fingerprint.py", *argv])
-    results = {n: bench(n, args.repeats) for n in args.sizes}
+    samples = {f"N={n}/{k}": v for n in args.sizes for k, v in bench(n, args.repeats).items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "fingerprint_overhead_smoke" if args.smoke else "fingerprint_overhead"
+    stats = write_raw(out / f"{name}.raw.json", samples, meta, unit="s")
     rows = []
-    for n, r in results.items():
+    for n in args.sizes:
+        r = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith(f"N={n}/")}
         chk = r["check"]["median"] * 1e3
         for what in ("forward", "train"):
             on, off = r[f"{what} on"], r[f"{what} off"]
@@ -138,12 +141,8 @@ def main(argv=None) -> None:
             f"MGRIT 2 levels, cfactor 4, 2 forward / 1 adjoint cycles; {args.repeats} "
             f"interleaved repeats. 'checks alone': the fingerprint check timed by itself "
             f"(once per forward; a train step checks twice: forward and backward).\n\n"
-            + markdown_table(header, rows) + "\n")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "fingerprint_overhead_smoke" if args.smoke else "fingerprint_overhead"
+            + markdown_table(header, rows) + f"\n\nRaw per-repeat seconds: `{name}.raw.json`.\n")
     write_table(out / f"{name}.md", "Cost of the fast paths' per-call contract check", meta, body)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print((out / f"{name}.md").read_text())
 
 

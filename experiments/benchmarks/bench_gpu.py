@@ -110,8 +110,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dry = args.dry_run or torch.device(args.device).type == "cpu"
     if not dry and not torch.cuda.is_available():
-        print("SKIP: no CUDA device")
-        return 0
+        return reporting.skip("no CUDA device (torch.cuda.is_available() is False)")
     dev = "cpu" if dry else args.device
     meta = reporting.run_metadata()
     meta["device"] = ("cpu (DRY RUN: code-path check, numbers meaningless)" if dry else

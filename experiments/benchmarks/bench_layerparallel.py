@@ -29,7 +29,6 @@ smoke test of well under a minute on 2 idle cores; full: N = 256, 1024, 4096, 5 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -50,6 +49,7 @@ from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf import calibration as cal, netcal, strategies as st  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS, LeanResNet, compiled_forward, compiled_train_step  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 
 WIDTH, BATCH, LR = 8, 64, 1e-3
 LEAN_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes of the lean curves (GPipe micro-batches)
@@ -257,13 +257,13 @@ def main():
     torch.set_num_threads(1)
     Ns = a.layers or ([64] if a.quick else [256, 1024, 4096])
     ms = [16] if a.quick and a.layers is None else a.m
-    load0, t0 = os.getloadavg(), time.time()
+    prov = reporting.run_metadata()  # command, commit, machine, cores, date, load before
+    t0 = time.time()
     r1 = {N: single_process(N, [m for m in ms if N // m >= 2], reps, a.relax,
                             not (a.quick or a.no_compile), clock, cal_reps) for N in Ns}
     r2 = {N: run_two_ranks(N, r1[N]["best_m"], reps, a.relax, cal_reps) for N in Ns}
-    meta = dict(cmd=" ".join([Path(sys.executable).name, *sys.argv]), load=(load0, os.getloadavg()),
+    meta = dict(prov=reporting.finish_metadata(prov),  # the load after the runs
                 minutes=(time.time() - t0) / 60, reps=reps, relax=a.relax, clock=a.clock,
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
                 machine=f"{platform.node()}, {platform.processor() or platform.machine()}, "
                         f"{os.cpu_count()} cores, torch {torch.__version__}")
     text = report(r1, r2, Ns, meta)

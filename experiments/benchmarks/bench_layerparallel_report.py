@@ -112,10 +112,8 @@ def predictions(r1, r2, N, relax):
 def report(r1, r2, Ns, meta) -> str:
     big = max(Ns)
     L = ["# Layer-parallel benchmarks (`experiments/benchmarks/bench_layerparallel.py`)", "",
-         f"- command: `{meta['cmd']}`; git commit: {reporting.run_metadata()['commit']}",
-         f"- machine: {meta['machine']}; 1 thread per process; date {meta['date']}; "
-         f"load average before/after {meta['load'][0][0]:.2f} / {meta['load'][1][0]:.2f}; "
-         f"run time {meta['minutes']:.1f} min",
+         *reporting.meta_lines(meta["prov"]),
+         f"- set-up: {meta['machine']}; 1 thread per process; run time {meta['minutes']:.1f} min",
          f"- network: DenseStep width 8, tanh, batch {BATCH}, float32, T = 1, loss mean(out^2), "
          f"SGD lr 1e-3; MGRIT 2 levels, relax {meta['relax']}, forward 2 / backward 1 cycles "
          f"(tol 0, warm start in training); 1-level exact path = forward and adjoint solves with "

@@ -44,6 +44,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet  # noqa: E
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
+from mgrit.training import report as reporting  # noqa: E402
 from mgrit.training.support.faults import fail_fast  # noqa: E402
 
 TOL = 1e-10
@@ -137,9 +138,8 @@ def main() -> int:
     if args.worker:
         return worker(args.force_cpu)
     if not args.force_cpu and not torch.cuda.is_available():
-        print("SKIP: no CUDA device available (torch.cuda.is_available() is False); "
-              "nothing to check on this machine")
-        return 0
+        return reporting.skip("no CUDA device (torch.cuda.is_available() is False); nothing to "
+                              "check on this machine")
     mpiexec = os.environ.get("LAYERPAR_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -192,6 +192,7 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
     nets = QUICK if quick else NETWORKS
     reps = 2 if quick else 5
     t0 = time.time()
+    prov = reporting.run_metadata()  # command, commit, machine, cores, date, load before
     comm = perf.CommCost(*launch({}, 1)["comm"])  # ping-pong of this machine's 2 ranks
     recs, spec = {}, {}
     for name, (L, W, B) in nets.items():
@@ -208,9 +209,9 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
         spec[name] = dict(layers=L, width=W, batch=B, gpipe_M=gp.settings["M"], mgrit=cfg)
     meas = launch(spec, reps)
     L = ["# Planner validation at P = 2 (`experiments/benchmarks/plan.py --validate" + (" --quick" if quick else "") + "`)", "",
-         f"- commit {reporting.run_metadata()['commit']}; {os.cpu_count()} cores; load average "
-         f"{os.getloadavg()[0]:.2f}; {reps} interleaved repeats per option (wall clock, max over "
-         f"the 2 ranks); total {(time.time() - t0) / 60:.1f} min",
+         *reporting.meta_lines(prov),  # + the load after the runs, the flag when loaded
+         f"- timing: {reps} interleaved repeats per option (wall clock, max over the 2 ranks); "
+         f"total {(time.time() - t0) / 60:.1f} min",
          f"- planner: calibrated in 1 process (dedicated-core costs), message cost from this "
          f"machine's ping-pong ({comm.latency * 1e6:.1f} us, {comm.bandwidth / 1e9:.2f} GB/s), "
          f"MGRIT convergence probed on a real mnist5k batch (cold start), gradient error target "

@@ -20,6 +20,8 @@ from typing import Mapping
 import h5py
 import numpy as np
 
+from mgrit.training import report as reporting
+
 __all__ = ["write_part", "read_part", "parts_in", "idle_barrier", "write_headline"]
 
 
@@ -64,6 +66,7 @@ def write_part(path: str | os.PathLike, part: str, series: Mapping[str, object],
     last part written; ``attrs["meta/<part>"]`` holds each part's metadata as JSON.
     """
     path = Path(path)
+    meta = reporting.finish_metadata(meta)  # the part's load when its results are written
     data, attrs = _read_all(path)
     data = {k: v for k, v in data.items() if not k.startswith(part + "/")}
     data.update({f"{part}/{k}": np.asarray(v) for k, v in series.items()})
@@ -83,14 +86,20 @@ def write_part(path: str | os.PathLike, part: str, series: Mapping[str, object],
 
 def read_part(path: str | os.PathLike, part: str) -> tuple[dict, dict] | None:
     """``(series, meta)`` of part ``part`` of ``path`` (names without the ``<part>/`` prefix),
-    or None when the file or the part is missing."""
+    or None when the file or the part is missing. A part stored before its metadata recorded
+    ``cores`` and ``loadavg_after`` reads them as ``"unknown (not recorded)"``, so that a
+    report rebuilt from it never takes today's load for the run's (the provenance check
+    counts them missing)."""
     data, attrs = _read_all(Path(path))
     key = f"meta/{part}"
     if key not in attrs:
         return None
     pre = part + "/"
     series = {k[len(pre):]: v for k, v in data.items() if k.startswith(pre)}
-    return series, json.loads(attrs[key])
+    meta = json.loads(attrs[key])
+    for k in ("cores", "loadavg_after"):
+        meta.setdefault(k, "unknown (not recorded)")
+    return series, meta
 
 
 def parts_in(path: str | os.PathLike) -> list[str]:

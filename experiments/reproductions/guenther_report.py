@@ -77,8 +77,9 @@ def write(d: Path) -> None:
              "", "The paper publishes no accuracy table for this run that we could compare with; "
              "the comparison is our serial vs our simultaneous training under the same code, "
              "initialization and optimizer."]
-    keys = ("command", "commit", "machine", "date", "loadavg", "world_size")
-    reporting.write_table(d / "table.md", TITLE, {k: meta[k] for k in keys}, "\n".join(body))
+    keys = (*reporting.PROVENANCE_KEYS, "world_size")
+    reporting.write_table(d / "table.md", TITLE, {k: meta[k] for k in keys if k in meta},
+                          "\n".join(body))
     _summary(d, s, meta, methods, S, iters, N, rows)
     head = [{"claim": "simultaneous training reaches serial training's accuracy (no published "
                       "number for this run)",

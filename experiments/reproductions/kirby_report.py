@@ -17,8 +17,7 @@ def store(d: Path, part: str, series: dict, meta: dict) -> None:
 
 
 def _meta_lines(part, meta):
-    keys = ("command", "commit", "machine", "date", "loadavg", "world_size")
-    return [f"- {part} part: " + ", ".join(f"{k} `{meta.get(k)}`" for k in keys)]
+    return reporting.part_lines(part, meta)
 
 
 def _timing_body(s, meta):

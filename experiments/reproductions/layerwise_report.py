@@ -233,10 +233,9 @@ def write(d: Path) -> None:
     acc = read_part(d / "results.h5", "accuracy")
     tim = read_part(d / "results.h5", "timing")
     head, body = [], []
-    keys = ("command", "commit", "machine", "date", "loadavg", "world_size")
     for name, part in (("accuracy", acc), ("timing", tim)):
         if part is not None:
-            head += [f"- {name} part: " + ", ".join(f"{k} `{part[1].get(k)}`" for k in keys)]
+            head += reporting.part_lines(name, part[1])
             head += _kept_lines(part[1])
     if acc is not None:
         body += _accuracy_tables(*acc) + [""]

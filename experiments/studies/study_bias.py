@@ -248,6 +248,8 @@ def main(argv=None) -> int:
     if a.rewrite:  # no training: the recorded run's numbers, arguments and metadata
         if comm.Get_rank() == 0:
             saved = json.loads((out_dir / "results.json").read_text())
+            # a record without the load after its run keeps none (never today's load)
+            saved["meta"].setdefault("loadavg_after", "unknown (not recorded)")
             write(argparse.Namespace(**saved["args"]), saved["results"], saved["meta"], out_dir)
         return 0
     meta = reporting.run_metadata(world_size=comm.Get_size())
@@ -256,8 +258,8 @@ def main(argv=None) -> int:
     for kind in RUNS:
         results[kind] = run(kind, a, comm, train, test, classes,
                             str(out_dir / f"bias_{kind}.jsonl"))
-    if comm.Get_rank() == 0:
-        write(a, results, meta, out_dir)
+    if comm.Get_rank() == 0:  # the load after the runs goes into results.json too
+        write(a, results, reporting.finish_metadata(meta), out_dir)
         print(f"[study_bias] wrote {out_dir}", flush=True)
     return 0
 

@@ -5,10 +5,20 @@ Every study writes under ``experiments/results/<study>/``:
 * ``results.h5`` -- one HDF5 dataset per measured series (``save_series``) plus run metadata as
   attributes;
 * ``table.md`` -- a markdown table (``markdown_table``) headed by the metadata block (command,
-  git commit, machine, date, load average) so a committed table says how it was produced;
+  git commit, machine, cores, date, load average before and after the run; the flag
+  :data:`LOAD_FLAG` when either 1-minute load average was at or above the core count) so a
+  committed table says how it was produced;
+* ``<table>.raw.json`` -- the raw per-repeat numbers of a timing table with median, quartiles
+  and min/max (``write_raw``);
 * ``*.png`` -- matplotlib figures (Agg backend) from ``plot_lines``.
 
-Only world rank 0 should call the writers.
+Only world rank 0 should call the writers. ``tests/experiments/test_provenance.py`` checks every
+committed results file for the keys of :data:`PROVENANCE_KEYS`.
+
+A script that does nothing on this machine (a GPU benchmark without a GPU, a study whose flag
+the main job lacks) ends with ``return skip(reason)``: it prints ``SKIP: <reason>`` and exits
+with :data:`EXIT_SKIP`, which ``experiments/regenerate.py`` lists as ``skip (<reason>)``, not
+``ok``.
 """
 from __future__ import annotations
 
@@ -25,15 +35,43 @@ from typing import Mapping, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["run_metadata", "results_dir", "create_checked", "save_series", "markdown_table", "write_table",
-           "plot_lines", "add_study_flags"]
+__all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "meta_lines",
+           "results_dir", "create_checked", "save_series", "markdown_table", "write_table",
+           "write_raw", "spread", "skip", "plot_lines", "add_study_flags", "PROVENANCE_KEYS",
+           "LOAD_FLAG", "EXIT_SKIP"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 
 
+#: Keys every results file's metadata carries (``tests/experiments/test_provenance.py``):
+#: the command line, the git commit (``+dirty`` when the tree had uncommitted changes outside
+#: ``experiments/results``), the machine, its core count (``os.cpu_count()``), the UTC date, and
+#: the load averages (1, 5, 15 min) when the run started (``loadavg``) and when its results were
+#: written (``loadavg_after``).
+PROVENANCE_KEYS = ("command", "commit", "machine", "cores", "date", "loadavg", "loadavg_after")
+#: The line a table carries when a 1-minute load average (before or after) was at or above the
+#: core count: its wall times were measured on an oversubscribed machine.
+LOAD_FLAG = "load >= cores: timings unreliable"
+#: Exit status of a script that ran but did nothing on this machine (EX_TEMPFAIL of sysexits.h).
+EXIT_SKIP = 75
+
+
+def _loadavg() -> str:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+
+
 def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict:
-    """Command line, git commit (``+dirty`` when the tree has changes), machine, date, load."""
+    """Provenance of a run, taken when it starts: ``command`` (``argv``, default ``sys.argv``),
+    ``commit`` (short hash, ``+dirty`` when the tree has changes outside
+    ``experiments/results``), ``machine``, ``cores`` (int), ``date`` (UTC, minutes),
+    ``loadavg`` (the 1/5/15-minute load averages now, a string of three numbers) and
+    ``world_size``. The writers (:func:`write_table`, :func:`save_series`, :func:`write_raw`)
+    add ``loadavg_after`` when they write (:func:`finish_metadata`)."""
     root = ROOT
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
@@ -46,15 +84,57 @@ def run_metadata(argv: Sequence[str] | None = None, world_size: int = 1) -> dict
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     argv = list(sys.argv if argv is None else argv)
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (float("nan"),) * 3
     return {"command": " ".join(shlex.quote(a) for a in argv), "commit": commit,
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                        f"{platform.python_implementation()} {platform.python_version()}",
+            "cores": os.cpu_count() or 1,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "loadavg": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "world_size": world_size}
+            "loadavg": _loadavg(), "world_size": world_size}
+
+
+def finish_metadata(meta: Mapping) -> dict:
+    """``meta`` with ``loadavg_after`` (the load averages now) when it has none, and ``cores``
+    (``os.cpu_count()``) when it has none; call when the run's results are written."""
+    out = dict(meta)
+    out.setdefault("loadavg_after", _loadavg())
+    out.setdefault("cores", os.cpu_count() or 1)
+    return out
+
+
+def load_flagged(meta: Mapping) -> bool:
+    """Whether the 1-minute load average before (``loadavg``) or after (``loadavg_after``) the
+    run was at or above ``cores``: the run's wall times then need :data:`LOAD_FLAG`. A missing
+    or unreadable value counts as not flagged (the provenance check reports it missing)."""
+    try:
+        cores = float(meta["cores"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    for k in ("loadavg", "loadavg_after"):
+        try:
+            if float(str(meta[k]).split()[0]) >= cores:
+                return True
+        except (KeyError, IndexError, ValueError):
+            pass
+    return False
+
+
+def part_lines(part: str, meta: Mapping) -> list[str]:
+    """The metadata lines of one part of a table with parts (written by its report builder,
+    not :func:`write_table`): ``- <part> part: key `value`, ...`` over
+    ``PROVENANCE_KEYS + ("world_size",)`` and, when :func:`load_flagged`, an indented
+    ``  - warning: LOAD_FLAG`` line under it."""
+    keys = (*PROVENANCE_KEYS, "world_size")
+    out = [f"- {part} part: " + ", ".join(f"{k} `{meta.get(k)}`" for k in keys)]
+    if load_flagged(meta):
+        out.append(f"  - warning: {LOAD_FLAG} ({part} part)")
+    return out
+
+
+def skip(reason: str) -> int:
+    """Print ``SKIP: <reason>`` and return :data:`EXIT_SKIP`: ``return skip("no CUDA device")``
+    from a script's ``main`` that has nothing to do on this machine."""
+    print(f"SKIP: {reason}", flush=True)
+    return EXIT_SKIP
 
 
 def add_study_flags(parser, full_help: str, smoke_help: str = "tiny settings for the test suite"):
@@ -89,8 +169,9 @@ def create_checked(group: h5py.Group, name: str, data) -> h5py.Dataset:
 def save_series(path: str | os.PathLike, series: Mapping[str, Sequence], meta: Mapping) -> None:
     """Write each series as a float/int dataset of ``path`` (HDF5, atomically, Fletcher-32
     checksummed by :func:`create_checked`) with ``meta`` as attributes (non-scalar values
-    JSON-encoded)."""
+    JSON-encoded; ``loadavg_after`` added by :func:`finish_metadata`)."""
     path = Path(path)
+    meta = finish_metadata(meta)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with h5py.File(tmp, "w") as f:
         for k, v in series.items():
@@ -112,11 +193,50 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def meta_lines(meta: Mapping) -> list[str]:
+    """The metadata block of a table: ``meta`` completed by :func:`finish_metadata`, one
+    ``- key: value`` line per key (the command in backticks), and ``- warning: LOAD_FLAG (...)``
+    when :func:`load_flagged`. For scripts that write their own header (:func:`write_table`
+    uses it)."""
+    meta = finish_metadata(meta)
+    out = [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    if load_flagged(meta):
+        out += [f"- warning: {LOAD_FLAG} (1-minute load average {meta['loadavg'].split()[0]} "
+                f"before, {meta['loadavg_after'].split()[0]} after, on {meta['cores']} cores)"]
+    return out
+
+
 def write_table(path: str | os.PathLike, title: str, meta: Mapping, body: str) -> None:
-    """Write ``# title``, the metadata block, then ``body`` (markdown) to ``path``."""
-    head = [f"# {title}", ""]
-    head += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    """Write ``# title``, the metadata block (:func:`meta_lines`: one ``- key: value`` line per
+    key of ``meta``, with ``loadavg_after`` and ``cores`` added by :func:`finish_metadata`, and
+    the line ``- warning: LOAD_FLAG`` when :func:`load_flagged`), then ``body`` (markdown) to
+    ``path``."""
+    head = [f"# {title}", "", *meta_lines(meta)]
     Path(path).write_text("\n".join(head) + "\n\n" + body.rstrip() + "\n")
+
+
+def spread(values: Sequence[float]) -> dict:
+    """``{"n", "median", "q1", "q3", "iqr", "min", "max"}`` of ``values`` (same unit;
+    quartiles by numpy's linear interpolation). Raises :class:`ValueError` on an empty
+    sequence."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        raise ValueError("spread() of no values: need at least one repeat")
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return {"n": int(v.size), "median": float(med), "q1": float(q1), "q3": float(q3),
+            "iqr": float(q3 - q1), "min": float(v.min()), "max": float(v.max())}
+
+
+def write_raw(path: str | os.PathLike, samples: Mapping[str, Sequence[float]], meta: Mapping,
+              unit: str = "s") -> dict:
+    """Write a timing table's raw per-repeat numbers as JSON beside it (``path``, by convention
+    ``<table>.raw.json``): ``{"meta": ..., "unit": unit, "series": {name: {**spread(values),
+    "values": [...]}}}`` in the order measured, ``meta`` completed by :func:`finish_metadata`.
+    Returns the series dict (its medians and spreads are what the table should print)."""
+    series = {str(k): {**spread(v), "values": [float(x) for x in v]} for k, v in samples.items()}
+    doc = {"meta": finish_metadata(meta), "unit": unit, "series": series}
+    Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return series
 
 
 def plot_lines(path: str | os.PathLike, curves: Mapping[str, tuple], xlabel: str, ylabel: str,

@@ -1,0 +1,249 @@
+"""Provenance that cannot drift (issue 24, item 6), without launching a real script:
+
+* every committed results file (the set of :func:`experiments.reports.provenance.results_files`)
+  carries its command, commit, machine, cores, date and the load before and after its run, and
+  a table whose load reached the core count says so (:data:`KNOWN_STALE` lists the files
+  committed before the check; it only shrinks);
+* what ``write_table`` / ``write_part`` / ``write_raw`` write passes the check, with the flag
+  exactly when a load was at or above the core count;
+* a script that did nothing (exit ``EXIT_SKIP``) is ``skip (<reason>)`` in ``regenerate.py``'s
+  manifest and README block, never ``ok``;
+* the READMEs quote the records: the generated block of ``experiments/README.md`` is what
+  ``regenerate.py --readme-only`` builds from the stored ``headline.json`` files, and the top
+  README's transformer numbers are those of the runs' ``summary.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import regenerate as rg
+from experiments.reports import provenance as prov
+from mgrit.training import report
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
+
+_R = "regenerated in issue 24's records run"
+_OWN = _R + " (written before its script wrote the metadata block of report.meta_lines)"
+#: Committed results files that lack provenance (written before ``cores`` and ``loadavg_after``
+#: existed, or by a script with its own header). The list only shrinks: a listed file that
+#: passes, or no longer exists, fails the test until it is removed from here.
+KNOWN_STALE = {
+    "MANIFEST.md": _R,
+    "manifest.json": _R,
+    "benchmarks/bench_dataparallel.md": _OWN,
+    "benchmarks/bench_gru.md": _R,
+    "benchmarks/bench_layerparallel.md": _OWN,
+    "benchmarks/bench_pymgrit.h5": _R,
+    "benchmarks/bench_pymgrit.md": _R,
+    "benchmarks/bench_transformer.md": _R,
+    "benchmarks/data_throughput.md": _OWN,
+    "benchmarks/fingerprint_overhead.json": _R + " (replaced by fingerprint_overhead.raw.json)",
+    "benchmarks/fingerprint_overhead.md": _R,
+    "benchmarks/plan_validation.md": _OWN,
+    "records/layerwise_loop/comparison.json": _R + " (a before/after table of two commits)",
+    "records/layerwise_loop/summary.md": _R + " (a before/after table of two commits)",
+    "records/mnist_mgrit_vs_serial/table.md": _R,
+    "records/transformers/table.md": _OWN,
+    "reproductions/guenther2020/results.h5": _R,
+    "reproductions/guenther2020/table.md": _R,
+    "reproductions/kirby2020/results.h5": _R,
+    "reproductions/kirby2020/table.md": _R,
+    "reproductions/layerwise/results.h5": _R,
+    "reproductions/layerwise/table.md": _R,
+    "reproductions/torchbraid_mnist/results.h5": _R,
+    "reproductions/torchbraid_mnist/table.md": _R,
+    "studies/bias_monitor/results.json": _R,
+    "studies/bias_monitor/table.md": _R,
+    "studies/convergence/results.h5": _R,
+    "studies/convergence/table.md": _R,
+    "studies/gru/sweep.md": _R,
+    "studies/gru/table.md": _R,
+    "studies/multilevel/results.h5": _R,
+    "studies/multilevel/table.md": _R,
+}
+
+
+def test_committed_results_carry_provenance():
+    files = {f.relative_to(RESULTS).as_posix(): f for f in prov.results_files(RESULTS)}
+    assert "reproductions/kirby2020/table.md" in files  # the walk reaches the rooms
+    bad = {k: prov.problems(f) for k, f in files.items()}
+    new = {k: p for k, p in bad.items() if p and k not in KNOWN_STALE}
+    assert not new, f"results files without provenance: {new}"
+    fixed = sorted(k for k in KNOWN_STALE if k in files and not bad[k])
+    gone = sorted(k for k in KNOWN_STALE if k not in files)
+    assert not fixed and not gone, f"remove from KNOWN_STALE: {fixed + gone}"
+
+
+@pytest.fixture
+def load(monkeypatch):
+    """Set the load averages that ``report`` reads: ``load(1.0)`` -> (1.0, 1.0, 1.0)."""
+    def set_load(x):
+        monkeypatch.setattr(report.os, "getloadavg", lambda: (x, x, x))
+    return set_load
+
+
+@pytest.mark.parametrize("before, after", [(0.25, 0.5), (None, 0.0), (0.0, None)])
+def test_write_table_records_provenance_and_flags_load(tmp_path, load, before, after):
+    """None: the core count itself (at the limit counts as loaded)."""
+    cores = os.cpu_count()
+    load(cores if before is None else before)
+    meta = report.run_metadata(["bench.py", "--n", "3"])
+    load(cores if after is None else after)
+    f = tmp_path / "t.md"
+    report.write_table(f, "T", meta, "| a |\n|---|\n| 1 |")
+    text = f.read_text()
+    (run,) = prov.table_runs(text)
+    want_after = f"{cores if after is None else after:.2f}"
+    assert run["loadavg"].split() == [f"{cores if before is None else before:.2f}"] * 3
+    assert run["loadavg_after"].split() == [want_after] * 3
+    assert run["command"] == "bench.py --n 3" and int(run["cores"]) == cores
+    assert run["commit"] == meta["commit"] and run["date"] == meta["date"]
+    flagged = before is None or after is None
+    assert (report.LOAD_FLAG in text) == flagged
+    assert prov.problems(f) == []
+    if flagged:  # the same table without its flag fails
+        f.write_text("\n".join(ln for ln in text.splitlines() if report.LOAD_FLAG not in ln))
+        assert "no line" in " ".join(prov.problems(f))
+    f.write_text(text.replace(f"- loadavg_after: {run['loadavg_after']}\n", ""))
+    assert prov.problems(f) == ["run 0: no loadavg_after"]
+
+
+def test_parts_store_and_part_lines_carry_provenance(tmp_path, load):
+    from experiments.reports.study_parts import read_part, write_part
+    cores = os.cpu_count()
+    load(0.5)
+    quiet = report.run_metadata()
+    load(float(cores))
+    write_part(tmp_path / "results.h5", "accuracy", {"a": [1.0]}, quiet)
+    assert prov.problems(tmp_path / "results.h5") == []
+    _, m = read_part(tmp_path / "results.h5", "accuracy")
+    assert m["loadavg"] == "0.50 0.50 0.50" and m["loadavg_after"].split()[0] == f"{cores:.2f}"
+    busy = dict(m, loadavg="0.10 0.10 0.10", loadavg_after="0.10 0.10 0.10")
+    lines = report.part_lines("accuracy", m) + report.part_lines("timing", busy)
+    assert [report.LOAD_FLAG in ln for ln in lines] == [False, True, False]
+    text = "# T\n\n" + "\n".join(lines) + "\n\nbody\n"
+    (tmp_path / "table.md").write_text(text)
+    runs = prov.table_runs(text)
+    assert [r["loadavg_after"] for r in runs] == [m["loadavg_after"], "0.10 0.10 0.10"]
+    assert prov.problems(tmp_path / "table.md") == []
+    (tmp_path / "table.md").write_text(text.replace(f"cores `{cores}`, ", "", 1))
+    assert prov.problems(tmp_path / "table.md") == ["run 0: no cores"]
+
+
+def test_part_stored_without_the_load_after_never_reads_todays(tmp_path):
+    """A part written before ``cores``/``loadavg_after`` existed: a report rebuilt from it
+    says they were not recorded (and the check fails it), never the load of today."""
+    import h5py
+    from experiments.reports.study_parts import read_part
+    old = {k: "x" for k in ("command", "commit", "machine", "date")} | {"loadavg": "0.1 0.1 0.1"}
+    with h5py.File(tmp_path / "results.h5", "w") as f:
+        f.create_dataset("accuracy/a", data=[1.0])
+        f.attrs["meta/accuracy"] = json.dumps(old)
+    _, meta = read_part(tmp_path / "results.h5", "accuracy")
+    assert meta == old | {"cores": "unknown (not recorded)",
+                          "loadavg_after": "unknown (not recorded)"}
+    assert prov.problems(tmp_path / "results.h5") == ["run 0: no cores, loadavg_after"]
+    (tmp_path / "table.md").write_text("# T\n\n" + "\n".join(report.part_lines("a", meta)))
+    assert prov.problems(tmp_path / "table.md") == ["run 0: no cores, loadavg_after"]
+
+
+def test_write_raw_keeps_every_repeat_with_its_spread(tmp_path):
+    vals = [0.30, 0.10, 0.20, 1.00, 0.25]
+    out = report.write_raw(tmp_path / "t.raw.json", {"serial": vals}, report.run_metadata(), "s")
+    doc = json.loads((tmp_path / "t.raw.json").read_text())
+    s = doc["series"]["serial"]
+    assert doc["unit"] == "s" and s == out["serial"] and s["values"] == vals
+    q1, med, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+    assert s["median"] == pytest.approx(statistics.median(vals), abs=1e-15)
+    assert (s["q1"], s["q3"], s["iqr"]) == pytest.approx((q1, q3, q3 - q1), abs=1e-15)
+    assert (s["min"], s["max"], s["n"]) == (0.10, 1.00, 5)
+    assert prov.problems(tmp_path / "t.raw.json") == []
+    with pytest.raises(ValueError, match="at least one repeat"):
+        report.spread([])
+
+
+FAKE = {"fake_ok": "print('done')",
+        "fake_skip": ("print('SKIP: no widget on this machine'); "
+                      f"raise SystemExit({report.EXIT_SKIP})"),
+        "fake_fail": "raise SystemExit(3)"}
+
+
+def test_regenerate_lists_a_script_that_did_nothing_as_skip(tmp_path):
+    room = tmp_path / "benchmarks"
+    room.mkdir()
+    registry = []
+    for name, code in FAKE.items():
+        (room / f"{name}.py").write_text(code + "\n")
+        registry.append(rg.Entry(name, str(room / f"{name}.py"), None, (), (), "timing", "test"))
+    out = tmp_path / "out"
+    meta = report.run_metadata()
+    records = rg.run_all("full", "all", out, None, 1, registry=tuple(registry))
+    rg.write_manifest(out, records, "full", "all", meta)
+    manifest = json.loads((out / "manifest.json").read_text())
+    recs = {r["name"]: r["status"] for r in manifest["records"]}
+    assert recs == {"fake_ok": "ok", "fake_skip": "skip (no widget on this machine)",
+                    "fake_fail": "failed (3)"}
+    assert "| fake_skip | timing | test | skip (no widget on this machine) |" in \
+        (out / "MANIFEST.md").read_text()
+    assert prov.problems(out / "MANIFEST.md") == [] and prov.problems(out / "manifest.json") == []
+    assert rg.skipped_line(out) == ("Did nothing in the last run (`skip`, no result from this "
+                                    "machine): `fake_skip` (no widget on this machine).")
+    assert rg.readme_block(out).endswith(rg.skipped_line(out))
+    assert rg.status(rg.reporting.EXIT_SKIP, "") == "skip (no reason printed)"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+def test_gpu_benchmark_without_a_gpu_skips(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    from experiments.benchmarks import bench_gpu
+    assert bench_gpu.main(["--out", str(tmp_path)]) == report.EXIT_SKIP
+    assert capsys.readouterr().out.startswith("SKIP: no CUDA device")
+    assert not (tmp_path / "bench_gpu.md").exists()
+
+
+def test_readme_block_is_built_from_the_stored_records():
+    text = rg.README.read_text()
+    block = text.split(rg.BEGIN, 1)[1].split(rg.END, 1)[0].strip()
+    assert block == rg.readme_block(RESULTS).strip()
+
+
+def test_top_readme_quotes_the_transformer_records():
+    runs = RESULTS / "records" / "transformers" / "runs"
+
+    def final(run):
+        return json.loads((runs / run / "summary.json").read_text())["final"]
+
+    def gpt(run):
+        return 100 * (final(run)["test_loss"] / final("gpt-serial")["test_loss"] - 1)
+
+    def vit(run):
+        return 100 * (final(run)["test_acc"] - final("vit-serial")["test_acc"])
+
+    lo, hi = vit("vit-mgrit-2cycles"), vit("vit-mgrit")
+    assert lo < 0 < hi  # the sentence's "below" / "above"
+    want = (f"with 2 / 1 the GPT's validation loss ended {gpt('gpt-mgrit-2cycles'):.1f}% above "
+            f"serial and the ViT {-lo:.1f} points below; with 3 / 2, +{gpt('gpt-mgrit'):.1f}% "
+            f"and {hi:.1f} points above")
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    assert want in readme
+
+
+def test_readme_names_the_commit_of_the_manifest():
+    """The README's statement of the committed tables names the commit of the stored
+    ``manifest.json`` (the last ``regenerate.py --full``) and of its stated exception."""
+    commit = json.loads((RESULTS / "manifest.json").read_text())["meta"]["commit"]
+    text = re.sub(r"\s+", " ", rg.README.read_text())
+    stated = re.search(r"`python experiments/regenerate.py --full` at commit `([^`]+)`", text)
+    assert stated is not None and stated.group(1) == commit
+    # the stated exception: the planner's validation, at the commit its table names
+    exc = re.search(r"now registered as `plan_validation`: at `([0-9a-f]+)`", text)
+    table = (RESULTS / "benchmarks" / "plan_validation.md").read_text()
+    assert exc is not None and re.search(rf"commit:? `?{exc.group(1)}\b", table)
