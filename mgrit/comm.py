@@ -102,7 +102,7 @@ class PostedRecv:
     """A posted receive; :meth:`wait` returns the state as a tensor on the template's device."""
 
     def __init__(self, ex: Exchanger, req: MPI.Request, buf: np.ndarray, source: int = -1):
-        self._ex, self._req, self._buf, self._req_source = ex, req, buf, source
+        self._ex, self._req, self._buf, self._source = ex, req, buf, source
         self.trace_id = None  # the tracer's number of this message (when one records)
 
     def wait(self, timeout: float | None = None, what: str = "a state") -> torch.Tensor:
@@ -124,7 +124,7 @@ class PostedRecv:
                     self._req.Wait()
                     raise CollectiveTimeout(
                         f"rank {ex.comm.Get_rank()} waited {timeout:g} s for {what} from rank "
-                        f"{self._req_source} that never came (that rank failed or never got "
+                        f"{self._source} that never came (that rank failed or never got "
                         f"there; the deadline is $LAYERPAR_COLLECTIVE_TIMEOUT or "
                         f"mgrit.collective.set_collective_timeout)")
                 pause = min(5e-4, pause * 2 or 1e-6)
