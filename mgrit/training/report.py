@@ -37,7 +37,7 @@ import numpy as np
 
 __all__ = ["run_metadata", "finish_metadata", "load_flagged", "part_lines", "meta_lines",
            "results_dir", "create_checked", "save_series", "markdown_table", "write_table",
-           "write_raw", "spread", "skip", "plot_lines", "add_study_flags", "PROVENANCE_KEYS",
+           "write_raw", "spread", "interval", "paired_interval", "skip", "plot_lines", "add_study_flags", "PROVENANCE_KEYS",
            "LOAD_FLAG", "EXIT_SKIP"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -225,6 +225,37 @@ def spread(values: Sequence[float]) -> dict:
     q1, med, q3 = np.percentile(v, [25, 50, 75])
     return {"n": int(v.size), "median": float(med), "q1": float(q1), "q3": float(q3),
             "iqr": float(q3 - q1), "min": float(v.min()), "max": float(v.max())}
+
+
+def interval(values: Sequence[float], level: float = 0.95) -> dict:
+    """Mean of ``values`` (independent repeats, e.g. one per seed) with its two-sided Student-t
+    confidence interval: ``{"n", "mean", "sd", "lo", "hi", "level"}`` (``sd``: sample standard
+    deviation; ``lo``/``hi``: ``mean -+ t_{(1+level)/2, n-1} * sd / sqrt(n)``; NaN when
+    ``n == 1``). Raises :class:`ValueError` on no values or a ``level`` outside (0, 1)."""
+    from scipy import stats  # ~0.3 s: only the writers of accuracy tables need it
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        raise ValueError("interval() of no values: need at least one seed")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"interval(level={level!r}): the confidence level must lie in (0, 1)")
+    mean = float(v.mean())
+    if v.size == 1:
+        return {"n": 1, "mean": mean, "sd": float("nan"), "lo": float("nan"),
+                "hi": float("nan"), "level": level}
+    sd = float(v.std(ddof=1))
+    half = float(stats.t.ppf((1.0 + level) / 2.0, v.size - 1)) * sd / np.sqrt(v.size)
+    return {"n": int(v.size), "mean": mean, "sd": sd, "lo": mean - half, "hi": mean + half,
+            "level": level}
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> dict:
+    """:func:`interval` of the paired differences ``b[i] - a[i]`` (same seed ``i`` in both
+    arms, e.g. ``a`` serial and ``b`` MGRIT test accuracies). Raises :class:`ValueError` when
+    the lengths differ."""
+    if len(a) != len(b):
+        raise ValueError(f"paired_interval: {len(a)} values against {len(b)}: pairs need one "
+                         "value per seed in both arms")
+    return interval([float(y) - float(x) for x, y in zip(a, b)], level)
 
 
 def write_raw(path: str | os.PathLike, samples: Mapping[str, Sequence[float]], meta: Mapping,

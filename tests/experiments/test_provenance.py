@@ -247,3 +247,23 @@ def test_readme_names_the_commit_of_the_manifest():
     exc = re.search(r"now registered as `plan_validation`: at `([0-9a-f]+)`", text)
     table = (RESULTS / "benchmarks" / "plan_validation.md").read_text()
     assert exc is not None and re.search(rf"commit:? `?{exc.group(1)}\b", table)
+
+
+def test_interval_matches_the_student_t_formula_and_refuses_bad_input():
+    import math
+    from mgrit.training.report import interval, paired_interval
+    # n = 3: t_{0.975, 2} = 4.30265 (printed tables, 6 digits); mean 2, sd 1
+    r = interval([1.0, 2.0, 3.0])
+    assert r["n"] == 3 and r["mean"] == 2.0 and abs(r["sd"] - 1.0) < 1e-15
+    half = 4.302653 / math.sqrt(3)
+    assert abs(r["lo"] - (2 - half)) < 1e-6 and abs(r["hi"] - (2 + half)) < 1e-6
+    one = interval([0.5])
+    assert one["mean"] == 0.5 and math.isnan(one["lo"]) and math.isnan(one["hi"])
+    d = paired_interval([0.9, 0.8, 0.7], [0.91, 0.82, 0.73])
+    assert abs(d["mean"] - 0.02) < 1e-12 and d["lo"] < 0.02 < d["hi"]
+    with pytest.raises(ValueError, match="no values"):
+        interval([])
+    with pytest.raises(ValueError, match="level"):
+        interval([1.0, 2.0], level=1.5)
+    with pytest.raises(ValueError, match="pairs"):
+        paired_interval([1.0], [1.0, 2.0])
