@@ -5,6 +5,7 @@ Usage (from the repository root, after committing the code the tables are to rec
     python experiments/regenerate.py --full                  # the record: every script, every part
     python experiments/regenerate.py --full --part accuracy  # what does not need a quiet machine
     python experiments/regenerate.py --full --part timing    # wall times: run on a quiet machine
+    python experiments/regenerate.py --full --resume         # continue a record run at this commit
     python experiments/regenerate.py --quick --out /tmp/x    # CI smoke: every script's quick mode
     python experiments/regenerate.py --quick --only kirby layerwise --jobs 2
     python experiments/regenerate.py --list                  # the registry and the commands
@@ -35,6 +36,13 @@ on this machine: it exited with :data:`mgrit.training.report.EXIT_SKIP`, 75, aft
 ``SKIP: <reason>``, e.g. a GPU benchmark without a GPU), ``failed (<exit status>)``,
 ``missing (...)`` (a registered script that does not exist) and ``not run (...)`` (not in this
 mode or part). The generated README block lists the scripts of the last run that were ``skip``.
+
+A record run may span several sittings at one commit: ``--full --only A B`` and ``--full
+--resume`` merge their rows into the output folder's existing ``manifest.json`` instead of
+replacing it (a row per script, the latest run of each, each row with the ``commit`` it ran
+at), and ``--resume`` launches only the scripts without an ``ok`` or ``skip`` row at the
+current commit. The manifest's ``commit`` is the rows' common commit, or ``mixed (...)`` when
+they differ; ``total_seconds`` is the sum of the rows' durations (the record's run time).
 
 Exit status: 0 when no launched script failed (``skip`` is not a failure), 1 otherwise.
 """
@@ -185,6 +193,8 @@ def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     log = logdir / f"{e.name}.log"
+    meta = reporting.run_metadata(cmd)
+    commit, date = meta["commit"], meta["date"]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
@@ -195,19 +205,20 @@ def _run(e: Entry, cmd: list[str], timeout: int, logdir: Path) -> dict:
     return {"name": e.name, "command": " ".join(cmd),
             "status": status(rc, log.read_text(errors="replace")),
             "seconds": round(time.perf_counter() - t0, 1), "log": str(log), "kind": e.kind,
-            "owner": e.owner}
+            "owner": e.owner, "commit": commit, "date": date}
 
 
 def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: int,
-            registry: Sequence[Entry] = REGISTRY) -> list[dict]:
+            registry: Sequence[Entry] = REGISTRY, done: frozenset = frozenset()) -> list[dict]:
     """Run the selected entries of ``registry`` (default :data:`REGISTRY`; ``jobs`` at a
-    time); returns one record per entry, in registry order."""
+    time) except those named in ``done`` (already recorded: ``--resume``); returns one record
+    per launched or unlaunchable entry, in registry order."""
     out.mkdir(parents=True, exist_ok=True)
     logdir = out / "logs"
     logdir.mkdir(exist_ok=True)
     records, todo = [], []
     for e in registry:
-        if only and e.name not in only:
+        if (only and e.name not in only) or e.name in done:
             continue
         base = {"name": e.name, "kind": e.kind, "owner": e.owner, "seconds": 0.0, "command": ""}
         if not (ROOT / e.script).is_file():
@@ -229,18 +240,52 @@ def run_all(mode: str, part: str, out: Path, only: Sequence[str] | None, jobs: i
     return sorted(records, key=lambda r: order[r["name"]])
 
 
+def merged(previous: list[dict], records: list[dict],
+           registry: Sequence[Entry] = REGISTRY) -> list[dict]:
+    """``previous`` manifest rows with those of ``records`` replacing the same script's row,
+    in registry order (rows of scripts no longer registered are dropped)."""
+    rows = {r["name"]: r for r in previous}
+    rows.update({r["name"]: r for r in records})
+    return [rows[e.name] for e in registry if e.name in rows]
+
+
+def resumable(out: Path, commit: str, part: str = "all") -> frozenset:
+    """Names of the scripts with an ``ok`` or ``skip`` row at ``commit`` in ``out``'s
+    ``manifest.json`` from a run of ``part`` or of every part (empty when there is none)."""
+    f = out / "manifest.json"
+    if not f.is_file():
+        return frozenset()
+    return frozenset(r["name"] for r in json.loads(f.read_text())["records"]
+                     if r.get("commit") == commit and r.get("part", "all") in (part, "all")
+                     and (r["status"] == "ok" or r["status"].startswith("skip")))
+
+
+def manifest_commit(records: list[dict], fallback: str) -> str:
+    """The rows' common commit; ``mixed (a, b)`` when they differ; ``fallback`` when no row
+    names one."""
+    commits = sorted({r["commit"] for r in records if r.get("commit")})
+    if not commits:
+        return fallback
+    return commits[0] if len(commits) == 1 else f"mixed ({', '.join(commits)})"
+
+
 def write_manifest(out: Path, records: list[dict], mode: str, part: str,
                    meta: dict | None = None) -> None:
     """``MANIFEST.md`` and ``manifest.json`` of a run: ``meta`` (the run's
     :func:`reporting.run_metadata`, taken when it started; default: now) completed with the load
     after, and one row per record."""
     meta = reporting.finish_metadata(meta if meta is not None else reporting.run_metadata())
-    rows = [[r["name"], r["kind"], r["owner"], r["status"], r["seconds"], f"`{r['command']}`"]
-            for r in records]
-    body = (f"Mode `{mode}`, part `{part}`. Timing-sensitive kinds (`timing`, `mixed`, the "
-            "`timing` part of `parts`) are valid only from a quiet machine.\n\n"
-            + reporting.markdown_table(["script", "kind", "owner", "status", "seconds", "command"],
-                                       rows))
+    meta["commit"] = manifest_commit(records, meta["commit"])
+    parts = {r.get("part", part) for r in records}
+    meta["part"] = parts.pop() if len(parts) == 1 else "mixed"
+    meta["total_seconds"] = round(sum(float(r.get("seconds") or 0) for r in records), 1)
+    rows = [[r["name"], r["kind"], r["owner"], r["status"], r["seconds"], r.get("commit", ""),
+             r.get("date", ""), f"`{r['command']}`"] for r in records]
+    body = (f"Mode `{mode}`, part `{meta['part']}`. Run time, the sum of the scripts' durations: "
+            f"{meta['total_seconds'] / 60:.1f} min. Timing-sensitive kinds (`timing`, `mixed`, "
+            "the `timing` part of `parts`) are valid only from a quiet machine.\n\n"
+            + reporting.markdown_table(["script", "kind", "owner", "status", "seconds", "commit",
+                                        "date", "command"], rows))
     reporting.write_table(out / "MANIFEST.md", "Results regenerated by experiments/regenerate.py",
                           meta, body)
     (out / "manifest.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
@@ -306,12 +351,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None,
                     help="output base folder (default: experiments/results; --quick: a temp folder)")
     ap.add_argument("--jobs", type=int, default=1, help="scripts run at once (default 1)")
+    ap.add_argument("--resume", action="store_true",
+                    help="--full only: keep the output folder's manifest rows and launch only "
+                         "the scripts without an ok/skip row at the current commit (a record "
+                         "run in several sittings)")
     a = ap.parse_args(argv)
     names = {e.name for e in REGISTRY}
     for n in a.only or ():
         if n not in names:
             raise SystemExit(f"--only {n}: not in the registry ({', '.join(sorted(names))})")
     m = "quick" if a.quick else "full"
+    if a.resume and m != "full":
+        raise SystemExit("--resume continues a --full record run; it does not apply to --quick")
+    if a.jobs < 1:
+        raise SystemExit(f"--jobs {a.jobs}: need at least 1 script at a time")
     if a.list:
         for e in REGISTRY:
             cmd = command(e, "full", "all", Path("experiments/results"))
@@ -326,7 +379,11 @@ def main(argv=None) -> int:
     else:
         out = Path(tempfile.mkdtemp(prefix="layerpar_quick_")) if a.quick else ROOT / "experiments" / "results"
     meta = reporting.run_metadata()
-    records = run_all(m, a.part, out, a.only, a.jobs)
+    done = resumable(out, meta["commit"], a.part) if a.resume else frozenset()
+    records = [dict(r, part=a.part) for r in run_all(m, a.part, out, a.only, a.jobs, done=done)]
+    if m == "full" and (a.resume or a.only) and (out / "manifest.json").is_file():
+        previous = json.loads((out / "manifest.json").read_text())
+        records = merged(previous["records"], records)
     write_manifest(out, records, m, a.part, meta)
     if m == "full" and out.resolve() == (ROOT / "experiments" / "results").resolve():
         update_readme(out)

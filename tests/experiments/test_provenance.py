@@ -200,6 +200,41 @@ def test_regenerate_lists_a_script_that_did_nothing_as_skip(tmp_path):
     assert rg.status(rg.reporting.EXIT_SKIP, "") == "skip (no reason printed)"
 
 
+def test_a_record_run_resumes_at_one_commit_and_keeps_every_row(tmp_path):
+    """``--resume``'s bookkeeping: rows carry their commit; a second sitting launches only the
+    scripts without an ok/skip row at the same commit, and the merged manifest keeps one row
+    per script with the sum of the durations as the run time."""
+    room = tmp_path / "benchmarks"
+    room.mkdir()
+    registry = []
+    for name, code in FAKE.items():
+        (room / f"{name}.py").write_text(code + "\n")
+        registry.append(rg.Entry(name, str(room / f"{name}.py"), None, (), (), "timing", "test"))
+    registry = tuple(registry)
+    out = tmp_path / "out"
+    first = rg.run_all("full", "all", out, ["fake_ok", "fake_fail"], 1, registry=registry)
+    first = [dict(r, part="all") for r in first]
+    rg.write_manifest(out, first, "full", "all")
+    commit = first[0]["commit"]
+    assert commit and all(r["commit"] == commit for r in first)
+    done = rg.resumable(out, commit, "all")
+    assert done == {"fake_ok"}  # the failed one is run again
+    assert rg.resumable(out, "0000000", "all") == frozenset()  # another commit: all again
+    assert rg.resumable(out, commit, "timing") == {"fake_ok"}  # a part of an all-parts run
+    second = rg.run_all("full", "all", out, None, 1, registry=registry, done=done)
+    assert sorted(r["name"] for r in second) == ["fake_fail", "fake_skip"]
+    rows = rg.merged(json.loads((out / "manifest.json").read_text())["records"],
+                     [dict(r, part="all") for r in second], registry)
+    assert [r["name"] for r in rows] == ["fake_ok", "fake_skip", "fake_fail"]
+    assert rows[0] == first[0]  # kept from the first sitting
+    rg.write_manifest(out, rows, "full", "all")
+    meta = json.loads((out / "manifest.json").read_text())["meta"]
+    assert meta["commit"] == commit and meta["part"] == "all"
+    assert meta["total_seconds"] == round(sum(r["seconds"] for r in rows), 1)
+    assert rg.manifest_commit([{"commit": "a"}, {"commit": "b"}, {}], "x") == "mixed (a, b)"
+    assert rg.manifest_commit([{}], "x") == "x"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
 def test_gpu_benchmark_without_a_gpu_skips(tmp_path, capsys):
     sys.path.insert(0, str(ROOT))

@@ -10,8 +10,11 @@ vector-Jacobian products, so optimizers see ordinary ``.grad`` on every rank.
 Every rank of the layer communicator calls ``forward`` and ``backward``; the final state
 exists on the last layer rank, the input gradient on the first. Exact mode (iterate to a
 tolerance) reproduces serial backpropagation; inexact mode (fixed small iteration counts,
-``tol = 0``; TorchBraid: 2 forward / 1 backward) is how training gets fast, with a warm start
-from the previous batch's states. ``adjoint="serial"`` is Kirby et al.'s variant: MGRIT
+``tol = 0``; TorchBraid: 2 forward / 1 backward) costs less per step but gives a biased
+gradient (a few percent relative error; measure it with :mod:`mgrit.training` 's bias
+monitor), with a warm start from the previous batch's states. Whether either mode is faster
+than serial or data-parallel training depends on the network and the machine: on 2 CPU cores
+only deep, narrow networks gain (``experiments/results/``). ``adjoint="serial"`` is Kirby et al.'s variant: MGRIT
 forward, the backward chain swept serially across ranks (a one-level adjoint solve).
 
 When both solves have one level (``max_levels=1``), there is nothing for MGRIT to do: the
