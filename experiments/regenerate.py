@@ -383,7 +383,10 @@ def main(argv=None) -> int:
     records = [dict(r, part=a.part) for r in run_all(m, a.part, out, a.only, a.jobs, done=done)]
     if m == "full" and (a.resume or a.only) and (out / "manifest.json").is_file():
         previous = json.loads((out / "manifest.json").read_text())
-        records = merged(previous["records"], records)
+        # rows written before rows named their commit ran at the manifest's commit
+        old = [dict(r, commit=r.get("commit") or previous["meta"]["commit"])
+               for r in previous["records"]]
+        records = merged(old, records)
     write_manifest(out, records, m, a.part, meta)
     if m == "full" and out.resolve() == (ROOT / "experiments" / "results").resolve():
         update_readme(out)
