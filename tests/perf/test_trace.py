@@ -79,6 +79,43 @@ def test_replay_recorded_costs_and_overhead():
     assert replay(t).finish == [5.0]  # unit costs: 1 + 4
 
 
+def test_replay_calibrated_host_work_by_hand():
+    # the host work (a StepCost in the form of tau) is added to every step and per_solve is
+    # charged at each solve's start; messages and collectives keep their costs
+    tau, comm = StepCost(single=2.0, call=1.0, item=0.5), CommCost(latency=0.25, bandwidth=100.0)
+    host = StepCost(single=0.5, call=0.25, item=0.125)
+    res = replay(_two_ranks(), tau, comm, host=host, per_solve=1.0)
+    # rank 0: 1 (solve) + 2.5 (step) = 3.5; send arrives 3.5 + 1.25 = 4.75; batched
+    #   (1 + 0.25) + 3 * (0.5 + 0.125) = 3.125 -> 6.625
+    # rank 1: 1 + 2.5 = 3.5; receive max(3.5, 4.75) = 4.75; step 2.5 -> 7.25
+    # allreduce at max(6.625, 7.25) + message(8) = 7.25 + 0.33 = 7.58; rank 0 steps -> 10.08
+    assert res.finish == pytest.approx([10.08, 7.58], abs=1e-12)
+    # per-level host work; a calibrated replay cannot also charge the recorded host time
+    assert replay(_two_ranks(), tau, comm, host={0: host}, per_solve=1.0).finish == res.finish
+    assert replay(_two_ranks(), tau, comm, host=StepCost(0.0, 0.0, 0.0)).finish == \
+        replay(_two_ranks(), tau, comm).finish
+    with pytest.raises(ValueError, match="levels \\[0\\]"):
+        replay(_two_ranks(), tau, host={1: host})
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="per_solve="):
+            replay(_two_ranks(), tau, per_solve=bad)
+    with pytest.raises(ValueError, match="one of the two"):
+        replay(_two_ranks(), "recorded", overhead=True, host=host)
+    with pytest.raises(ValueError, match="host="):
+        replay(_two_ranks(), tau, host="recorded")
+
+
+def test_subset_keeps_whole_solves():
+    t = Trace([_rank(r, [_solve(ev, label=lab) for lab in ("a", "b")])
+               for r, ev in enumerate((_two_ranks().events(0), _two_ranks().events(1)))])
+    sub = t.subset(1)
+    assert [s["label"] for s in sub.solves(0)] == ["b"] and sub.nprocs == 2
+    assert replay(sub).finish == replay(t, label="b").finish
+    uneven = Trace([_rank(0, [_solve([])]), _rank(1, [])])
+    with pytest.raises(ValueError, match="same number"):
+        uneven.subset(1)
+
+
 def test_trace_refuses_what_cannot_have_run():
     lost = _two_ranks(extra1=[["recv", 4.0, 5.0, 0, 1000, 100, 1]])  # never sent
     with pytest.raises(ValueError, match="waits forever"):

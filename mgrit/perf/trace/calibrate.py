@@ -76,7 +76,7 @@ def _untraced(trace) -> list:
 
 def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITOptions,
               backward: MGRITOptions, steps: int = 4, repeats: int = 3, act: str = "tanh",
-              dtype: torch.dtype = torch.float64) -> dict:
+              dtype: torch.dtype = torch.float64, traces: dict | None = None) -> dict:
     """One calibration (module docstring) on this process's core, as JSON-able numbers.
 
     Args:
@@ -85,6 +85,8 @@ def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITO
         forward, backward: the solver options of the traced run.
         steps: training steps per traced run (the first, a warm-up, is dropped; >= 2).
         repeats: timings per point of the overhead fit and the lean loop.
+        traces: when given, filled with ``{batch: Trace}`` of the one-rank runs at ``N``
+            (a P = 1 run of the real code, e.g. to validate another calibration against).
 
     Returns:
         ``{"batches": {str(b): entry}, "lean": NetCosts JSON}``; entry: ``tau_f``, ``tau_a``,
@@ -105,6 +107,8 @@ def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITO
         half = trace_resnet(MPI.COMM_SELF, n_layers // 2, width, b, forward, backward, steps,
                             dtype=dtype, act=act)[0]
         warm = tr.subset(2)
+        if traces is not None:
+            traces[b] = tr
         hf, ff = solver_overhead_fit(n_layers, (b, width), forward, _timed, repeats, dtype)
         ha, fa = solver_overhead_fit(n_layers, (b, width), backward, _timed, repeats, dtype)
         u_n, u_h = statistics.median(_untraced(tr)), statistics.median(_untraced(half))
@@ -201,10 +205,15 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-layers", type=int, nargs="*", default=[],
                     help="also measure the gradient error at these depths (batch: the largest)")
     ap.add_argument("--out", required=True, help="JSON file")
+    ap.add_argument("--trace-out", default=None,
+                    help="also write the one-rank trace at N and the largest batch (JSON)")
     a = ap.parse_args(argv)
     fwd = MGRITOptions(max_levels=2, cfactor=a.cfactor, max_iter=a.iters, tol=0.0)
     bwd = MGRITOptions(max_levels=2, cfactor=a.cfactor, max_iter=1, tol=0.0)
-    cal = calibrate(a.layers, a.width, a.batches, fwd, bwd, a.steps, a.repeats)
+    traces = {}
+    cal = calibrate(a.layers, a.width, a.batches, fwd, bwd, a.steps, a.repeats, traces=traces)
+    if a.trace_out:
+        traces[max(a.batches)].to_json(a.trace_out)
     cal["grad_error"] = {str(n): gradient_error(n, a.width, max(a.batches), fwd, bwd)
                          for n in a.grad_layers}
     with open(a.out, "w") as fh:
