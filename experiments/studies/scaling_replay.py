@@ -149,30 +149,24 @@ def _opts(a):
 
 
 def predict(tr: Trace, cal: dict, comm: CommCost, a, host: bool = True) -> dict:
-    """Medians over the training steps after the warm-up (seconds): the replay of each step's
-    solves, the replay's step (+ the untraced part), the analytic model's step, and the
-    recorded walls (medians: a step in which the process lost its core is an outlier)."""
-    P = tr.nprocs
+    """Medians over the training steps after the warm-up (seconds): the replay of the solves
+    (forward and adjoint, each the median over the steps), the replay's step (+ the untraced
+    part), the analytic model's step, and the recorded walls (medians: a solve in which the
+    process lost its core is an outlier, not the code's time)."""
+    P, med = tr.nprocs, statistics.median
     e = cal["batches"][str(a.batch)]
-    nl = math.ceil(a.layers / P)
-    solves, walls = [], []
-    for k in range(1, a.steps):
-        sub = tr.subset(2 * k, 2 * k + 2)
-        t = 0.0
-        for lab, tau, h, fx in (("forward", "tau_f", "host_f", "fixed_f"),
-                                ("adjoint", "tau_a", "host_a", "fixed_a")):
-            kw = dict(host=_sc(e[h]), per_solve=e[fx]) if host else {}
-            t += replay(sub, _sc(e[tau]), comm, label=lab, **kw).critical_path
-        solves.append(t)
-        walls.append(max(sub.wall(r) for r in range(P)))
-    untraced = nl * e["untraced_layer"] + e["untraced_step"]
-    tc = train_costs(e, host)
+    solves = walls = 0.0
+    for j, (lab, tau, h, fx) in enumerate((("forward", "tau_f", "host_f", "fixed_f"),
+                                           ("adjoint", "tau_a", "host_a", "fixed_a"))):
+        kw = dict(host=_sc(e[h]), per_solve=e[fx]) if host else {}
+        subs = [tr.subset(2 * k + j, 2 * k + j + 1) for k in range(1, a.steps)]
+        solves += med(replay(s, _sc(e[tau]), comm, label=lab, **kw).critical_path for s in subs)
+        walls += med(max(s.wall(r) for r in range(P)) for s in subs)
+    untraced = math.ceil(a.layers / P) * e["untraced_layer"] + e["untraced_step"]
     fwd, bwd = _opts(a)
-    model = sum(resnet_times(a.layers, P, tc, fwd, bwd, a.iters, 1, comm))
-    med = statistics.median
-    return {"replay_solves": med(solves), "replay_step": med(solves) + untraced,
-            "model_step": model, "wall_solves": med(walls),
-            "wall_step": med(tr.meta["step_walls"][1:])}
+    model = sum(resnet_times(a.layers, P, train_costs(e, host), fwd, bwd, a.iters, 1, comm))
+    return {"replay_solves": solves, "replay_step": solves + untraced, "model_step": model,
+            "wall_solves": walls, "wall_step": med(tr.meta["step_walls"][1:])}
 
 
 def curves(cal: dict, comm: CommCost, a, N_of, Ps) -> dict:
