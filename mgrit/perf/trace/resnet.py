@@ -7,7 +7,8 @@ dedicated cores).
 What is traced: the solves (steps, state messages, the solver's collectives). Not traced:
 the autograd bridge around them (the parameter-gradient sweep after the adjoint solve, the
 agreement collectives of the bridge, the loss) -- see the issue-24 notes in
-``docs/features/tracing.rst``.
+``docs/features/tracing.rst``; its share of the step is measured
+(``meta["step_walls"]`` minus the solves' walls; :mod:`mgrit.perf.trace.calibrate`).
 
 Command line (one JSON file per run, every rank's record gathered on rank 0)::
 
