@@ -71,15 +71,14 @@ if ROOT not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, ROOT)
 
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.perf import strategies as st  # noqa: E402
 from mgrit.perf.model import CommCost, simulate  # noqa: E402
 from mgrit.perf.steptime import resnet_times  # noqa: E402
 from mgrit.perf.trace import UNIT, Trace, replay  # noqa: E402
-from mgrit.perf.trace.calibrate import _sc, net_costs, train_costs  # noqa: E402
+from mgrit.perf.trace.calibrate import STRATEGIES as MODELS  # noqa: E402
+from mgrit.perf.trace.calibrate import as_stepcost, strategy_times, train_costs  # noqa: E402
 from mgrit.training import report as reporting  # noqa: E402
 
 STUDY = "scaling_replay"
-MODELS = ("serial", "data parallel", "GPipe", "MGRIT", "GPipe x DP", "MGRIT x DP")
 
 
 def parse(argv=None):
@@ -167,9 +166,9 @@ def predict(tr: Trace, cal: dict, comm: CommCost, a, host: bool = True) -> dict:
     solves = walls = 0.0
     for j, (lab, tau, h, fx) in enumerate((("forward", "tau_f", "host_f", "fixed_f"),
                                            ("adjoint", "tau_a", "host_a", "fixed_a"))):
-        kw = dict(host=_sc(e[h]), per_solve=e[fx]) if host else {}
+        kw = dict(host=as_stepcost(e[h]), per_solve=e[fx]) if host else {}
         subs = [tr.subset(2 * k + j, 2 * k + j + 1) for k in range(1, a.steps)]
-        solves += med(replay(s, _sc(e[tau]), comm, label=lab, **kw).critical_path for s in subs)
+        solves += med(replay(s, as_stepcost(e[tau]), comm, label=lab, **kw).critical_path for s in subs)
         walls += med(max(s.wall(r) for r in range(P)) for s in subs)
     untraced = math.ceil(a.layers / P) * e["untraced_layer"] + e["untraced_step"]
     fwd, bwd = _opts(a)
@@ -181,22 +180,7 @@ def predict(tr: Trace, cal: dict, comm: CommCost, a, host: bool = True) -> dict:
 def curves(cal: dict, comm: CommCost, a, N_of, Ps) -> dict:
     """Modeled step time (s) of every strategy at each P for network depth ``N_of(P)``."""
     fwd, bwd = _opts(a)
-    out = {m: [] for m in MODELS}
-    for P in Ps:
-        N, b = N_of(P), a.batch
-        c = net_costs(cal)
-        c = st.NetCosts(**{**{k: getattr(c, k) for k in c.__dataclass_fields__}, "n_layers": N})
-        nan = float("nan")
-        mg = (lambda pl, pd: st.mgrit_step(c, b, pl, fwd, bwd, a.iters, 1, comm, pd)["train"])
-        hy = [g for g in st.grids(P, N, b) if g[0] >= 2 and g[1] >= 2]
-        out["serial"].append(st.serial_step(c, b))
-        out["data parallel"].append(st.data_parallel_step(c, b, P, comm) if P <= b else nan)
-        out["GPipe"].append(st.best_gpipe(c, b, P, comm)[0] if P <= N else nan)
-        out["MGRIT"].append(mg(P, 1) if P <= N else nan)
-        out["GPipe x DP"].append(min((st.best_gpipe(c, b, pl, comm, pd)[0] for pl, pd in hy),
-                                     default=nan))
-        out["MGRIT x DP"].append(min((mg(pl, pd) for pl, pd in hy), default=nan))
-    return out
+    return strategy_times(cal, comm, a.batch, [N_of(P) for P in Ps], Ps, fwd, bwd, a.iters, 1)
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@
   (``tests/mpi_cases/core/trace_cases.py``). No timing assertions.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -252,6 +253,19 @@ def test_calibrated_train_costs_by_hand():
     assert nc.mgrit(1) == nc.mgrit(2) and nc.mgrit(64) == nc.mgrit(6)
     assert nc.layer_fb(2) == 3.0 and net_costs({"batches": {"2": _entry()}, "lean": lean},
                                                opt_layer=0.0).mgrit(9).per_layer == 0.0
+    # strategy_times: the strategies' formulas on these costs; NaN where P cannot be used
+    from mgrit.perf import strategies as st
+    from mgrit.perf.trace.calibrate import strategy_times
+    o = MGRITOptions(max_levels=2, cfactor=2, max_iter=1, tol=0.0)
+    cal, comm = {"batches": {"2": _entry()}, "lean": lean}, CommCost(1.0, 1e3)
+    t = strategy_times(cal, comm, 4, [16, 16, 4], [1, 8, 8], o, o, 1)
+    c16 = net_costs(cal).__class__(**{**vars(net_costs(cal)), "n_layers": 16})
+    assert t["serial"][:2] == [st.serial_step(c16, 4)] * 2 == [16 * 3.5] * 2
+    assert t["GPipe"][1] == st.best_gpipe(c16, 4, 8, comm)[0]
+    assert t["MGRIT"][1] == st.mgrit_step(c16, 4, 8, o, o, 1, 1, comm)["train"]
+    assert math.isnan(t["data parallel"][1]) and math.isnan(t["MGRIT"][2])  # P > b; P > N
+    assert t["MGRIT x DP"][1] == min(st.mgrit_step(c16, 4, pl, o, o, 1, 1, comm, pd)["train"]
+                                     for pl, pd in ((2, 4), (4, 2)))
 
 
 def test_calibrate_one_rank_runs():

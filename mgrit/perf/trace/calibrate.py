@@ -40,11 +40,17 @@ from ..model import StepCost
 from ..netcal import lean_costs
 from ..overhead import solver_overhead_fit
 from ..steptime import TrainCosts
+from .. import strategies as st
+from ..model import CommCost
 from ..strategies import NetCosts, netcosts_from_json, netcosts_to_json
 from .costs import step_costs
 from .resnet import trace_resnet
 
-__all__ = ["calibrate", "train_costs", "net_costs", "add_costs", "gradient_error"]
+__all__ = ["calibrate", "train_costs", "net_costs", "add_costs", "as_stepcost",
+           "gradient_error", "strategy_times", "STRATEGIES"]
+
+#: The strategies of :func:`strategy_times`, in its order.
+STRATEGIES = ("serial", "data parallel", "GPipe", "MGRIT", "GPipe x DP", "MGRIT x DP")
 
 _SC = ("single", "call", "item")
 
@@ -54,7 +60,8 @@ def add_costs(a: StepCost, b: StepCost) -> StepCost:
     return StepCost(a.single + b.single, a.call + b.call, a.item + b.item)
 
 
-def _sc(d) -> StepCost:
+def as_stepcost(d) -> StepCost:
+    """The :class:`StepCost` of a calibration entry's ``{"single", "call", "item"}``."""
     return StepCost(*(float(d[k]) for k in _SC))
 
 
@@ -129,9 +136,9 @@ def train_costs(entry: dict, host: bool = True) -> TrainCosts:
     ``host``), the solver's fixed cost per forward / adjoint solve, the untraced part per layer
     (``pgrad_item``) and per step (in ``fixed_bwd``). ``nbytes`` is left 0 (set by the
     caller, e.g. :func:`mgrit.perf.strategies.mgrit_step`)."""
-    tf, ta = _sc(entry["tau_f"]), _sc(entry["tau_a"])
+    tf, ta = as_stepcost(entry["tau_f"]), as_stepcost(entry["tau_a"])
     if host:
-        tf, ta = add_costs(tf, _sc(entry["host_f"])), add_costs(ta, _sc(entry["host_a"]))
+        tf, ta = add_costs(tf, as_stepcost(entry["host_f"])), add_costs(ta, as_stepcost(entry["host_a"]))
     return TrainCosts(tf, ta, 0.0, 0.0, pgrad_item=entry["untraced_layer"],
                       fixed_fwd=entry["fixed_f"] if host else 0.0,
                       fixed_bwd=(entry["fixed_a"] if host else 0.0) + entry["untraced_step"])
@@ -166,6 +173,35 @@ def net_costs(cal: dict, opt_layer: float | None = None) -> NetCosts:
         return _lerp(tc[i - 1], tc[i], (b - sizes[i - 1]) / (sizes[i] - sizes[i - 1]))
     return NetCosts(**{k: getattr(lean, k) for k in lean.__dataclass_fields__ if k != "mgrit"},
                     mgrit=mg)
+
+
+def strategy_times(cal: dict, comm: CommCost, batch: int, depths: Sequence[int],
+                   Ps: Sequence[int], forward: MGRITOptions, backward: MGRITOptions,
+                   K_f: int, K_b: int = 1) -> dict:
+    """Modeled training-step seconds of every strategy of :data:`STRATEGIES` with the costs of
+    one :func:`calibrate` result (:func:`net_costs`) and ``comm``, at ``P = Ps[i]`` workers for
+    a network of ``depths[i]`` layers and the whole batch ``batch``: serial (one worker), data
+    parallel (``P <= batch``), GPipe (best M, ``P <= N``), MGRIT (``P_L = P <= N``, ``K_f``
+    forward / ``K_b`` adjoint cycles), GPipe x DP and MGRIT x DP (the best grid with both
+    factors >= 2); NaN where a strategy cannot use ``P``. Returns ``{strategy: [seconds per
+    P]}`` (:mod:`mgrit.perf.strategies`' formulas)."""
+    nan, base = float("nan"), net_costs(cal)
+    out = {m: [] for m in STRATEGIES}
+    for N, P in zip(depths, Ps):
+        c = replace(base, n_layers=N)
+        b = batch
+
+        def mg(pl, pd):
+            return st.mgrit_step(c, b, pl, forward, backward, K_f, K_b, comm, pd)["train"]
+        hy = [g for g in st.grids(P, N, b) if g[0] >= 2 and g[1] >= 2]
+        out["serial"].append(st.serial_step(c, b))
+        out["data parallel"].append(st.data_parallel_step(c, b, P, comm) if P <= b else nan)
+        out["GPipe"].append(st.best_gpipe(c, b, P, comm)[0] if P <= N else nan)
+        out["MGRIT"].append(mg(P, 1) if P <= N else nan)
+        out["GPipe x DP"].append(min((st.best_gpipe(c, b, pl, comm, pd)[0] for pl, pd in hy),
+                                     default=nan))
+        out["MGRIT x DP"].append(min((mg(pl, pd) for pl, pd in hy), default=nan))
+    return out
 
 
 def gradient_error(n_layers: int, width: int, batch: int, forward: MGRITOptions,
