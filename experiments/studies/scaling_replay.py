@@ -370,15 +370,16 @@ def plot(out: Path, raw: dict, Ps) -> None:
     for kind in ("strong", "weak"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         T = raw[kind]["time"]
-        for m in MODELS:
+        ser = [statistics.median(v) for v in T["serial"]]
+        for k, m in enumerate(MODELS):
             med = [statistics.median(v) for v in T[m]]
             lo, hi = [min(v) for v in T[m]], [max(v) for v in T[m]]
-            ser = [statistics.median(v) for v in T["serial"]]
-            axes[0].plot(Ps, [x * 1e3 for x in med], marker="o", ms=3, label=m)
-            axes[0].fill_between(Ps, [x * 1e3 for x in lo], [x * 1e3 for x in hi], alpha=0.2)
+            kw = dict(marker="o", ms=3, label=m, color=f"C{k}")
+            axes[0].plot(Ps, [x * 1e3 for x in med], **kw)
+            axes[0].fill_between(Ps, [x * 1e3 for x in lo], [x * 1e3 for x in hi], alpha=0.15,
+                                 color=f"C{k}")
             if m != "serial":
-                axes[1].plot(Ps, [s / (P * x) for s, P, x in zip(ser, Ps, med)], marker="o",
-                             ms=3, label=m)
+                axes[1].plot(Ps, [s / (P * x) for s, P, x in zip(ser, Ps, med)], **kw)
         axes[0].set(xscale="log", yscale="log", xlabel="P", ylabel="time per step (ms)",
                     title=f"{kind} scaling, MODELED (band: calibrations)")
         axes[1].set(xscale="log", yscale="log", xlabel="P", ylabel="parallel efficiency",
