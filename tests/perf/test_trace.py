@@ -4,17 +4,23 @@
   trace that cannot have run (a receive without its send, collectives that differ) is refused;
 * JSON round trip; a corrupted file is a ValueError;
 * a traced run computes the same numbers as an untraced one (bitwise);
+* the calibrated host work (``host``/``per_solve``) by hand; the cost model's training-step
+  costs built from a calibration (:mod:`mgrit.perf.trace.calibrate`) by hand, and a small
+  real calibration whose kept trace's tallies equal the solver's counters; the gradient error
+  of an inexact setting is > 0 and of a setting iterated to exactness ~ 0 (float64);
 * on 1 rank (in process) and on 4 and 8 ranks (one MPI job each, oversubscribed): the trace's
   tallies equal the solver's own counters per rank and solve, sends and receives match one to
   one with equal bytes, and the replay equals :func:`mgrit.perf.model.simulate` per rank
   (``tests/mpi_cases/core/trace_cases.py``). No timing assertions.
 """
 import json
+import math
 
 import pytest
 import torch
 from mpi4py import MPI
 
+from mgrit.options import MGRITOptions
 from mgrit.perf.model import CommCost, StepCost
 from mgrit.perf.trace import UNIT, Trace, replay, step_costs
 from mgrit.perf.trace.resnet import trace_resnet
@@ -77,6 +83,43 @@ def test_replay_recorded_costs_and_overhead():
     assert replay(t, "recorded", overhead=True).finish == [4.5] == [t.wall(0)]
     assert replay(t, "recorded").finish == [3.0]
     assert replay(t).finish == [5.0]  # unit costs: 1 + 4
+
+
+def test_replay_calibrated_host_work_by_hand():
+    # the host work (a StepCost in the form of tau) is added to every step and per_solve is
+    # charged at each solve's start; messages and collectives keep their costs
+    tau, comm = StepCost(single=2.0, call=1.0, item=0.5), CommCost(latency=0.25, bandwidth=100.0)
+    host = StepCost(single=0.5, call=0.25, item=0.125)
+    res = replay(_two_ranks(), tau, comm, host=host, per_solve=1.0)
+    # rank 0: 1 (solve) + 2.5 (step) = 3.5; send arrives 3.5 + 1.25 = 4.75; batched
+    #   (1 + 0.25) + 3 * (0.5 + 0.125) = 3.125 -> 6.625
+    # rank 1: 1 + 2.5 = 3.5; receive max(3.5, 4.75) = 4.75; step 2.5 -> 7.25
+    # allreduce at max(6.625, 7.25) + message(8) = 7.25 + 0.33 = 7.58; rank 0 steps -> 10.08
+    assert res.finish == pytest.approx([10.08, 7.58], abs=1e-12)
+    # per-level host work; a calibrated replay cannot also charge the recorded host time
+    assert replay(_two_ranks(), tau, comm, host={0: host}, per_solve=1.0).finish == res.finish
+    assert replay(_two_ranks(), tau, comm, host=StepCost(0.0, 0.0, 0.0)).finish == \
+        replay(_two_ranks(), tau, comm).finish
+    with pytest.raises(ValueError, match="levels \\[0\\]"):
+        replay(_two_ranks(), tau, host={1: host})
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="per_solve="):
+            replay(_two_ranks(), tau, per_solve=bad)
+    with pytest.raises(ValueError, match="one of the two"):
+        replay(_two_ranks(), "recorded", overhead=True, host=host)
+    with pytest.raises(ValueError, match="host="):
+        replay(_two_ranks(), tau, host="recorded")
+
+
+def test_subset_keeps_whole_solves():
+    t = Trace([_rank(r, [_solve(ev, label=lab) for lab in ("a", "b")])
+               for r, ev in enumerate((_two_ranks().events(0), _two_ranks().events(1)))])
+    sub = t.subset(1)
+    assert [s["label"] for s in sub.solves(0)] == ["b"] and sub.nprocs == 2
+    assert replay(sub).finish == replay(t, label="b").finish
+    uneven = Trace([_rank(0, [_solve([])]), _rank(1, [])])
+    with pytest.raises(ValueError, match="same number"):
+        uneven.subset(1)
 
 
 def test_trace_refuses_what_cannot_have_run():
@@ -179,3 +222,67 @@ def test_one_level_resnet_has_nothing_to_trace():
     one = MGRITOptions(max_levels=1)
     with pytest.raises(ValueError, match="one-level exact path"):
         trace_resnet(MPI.COMM_SELF, 8, 2, 2, forward=one, backward=one)
+
+
+def _entry(scale=1.0):
+    sc = lambda a, b, c: {"single": a * scale, "call": b * scale, "item": c * scale}  # noqa: E731
+    return {"tau_f": sc(2.0, 1.0, 0.5), "tau_a": sc(3.0, 1.5, 0.75), "host_f": sc(0.5, 0.25, 0.125),
+            "host_a": sc(0.25, 0.5, 0.0), "fixed_f": 4.0 * scale, "fixed_a": 5.0 * scale,
+            "untraced_layer": 0.125 * scale, "untraced_step": 6.0 * scale, "untraced_share": 0.5}
+
+
+def test_calibrated_train_costs_by_hand():
+    # train_costs: step costs + host work, fixed per solve, the untraced part per layer and
+    # per step; net_costs: linear in the batch between calibrated sizes, nearest outside
+    from mgrit.perf.steptime import resnet_times
+    from mgrit.perf.trace.calibrate import net_costs, train_costs
+    tc = train_costs(_entry())
+    assert (tc.fwd, tc.adj) == (StepCost(2.5, 1.25, 0.625), StepCost(3.25, 2.0, 0.75))
+    assert (tc.pgrad_item, tc.fixed_fwd, tc.fixed_bwd) == (0.125, 4.0, 11.0)
+    bare = train_costs(_entry(), host=False)
+    assert (bare.fwd, bare.fixed_fwd, bare.fixed_bwd) == (StepCost(2.0, 1.0, 0.5), 0.0, 6.0)
+    # the analytic step at P = 1: simulate's sweep plus the fixed and untraced parts
+    f, b = resnet_times(8, 1, tc, MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0),
+                        MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0), 1, 1)
+    assert f > 4.0 and b > 11.0 + 8 * 0.125
+    lean = {"n_layers": 8, "layer_fwd": [[1, 4], [1.0, 1.0]], "layer_fb": [[1, 4], [3.0, 3.0]],
+            "opt_layer": 0.5, "layer_bytes": 160, "state_bytes": 32}
+    nc = net_costs({"batches": {"2": _entry(), "6": _entry(3.0)}, "lean": lean})
+    assert nc.mgrit(4).fwd == StepCost(5.0, 2.5, 1.25)  # halfway: 2x
+    assert nc.mgrit(4).fixed_bwd == pytest.approx(22.0) and nc.mgrit(4).per_layer == 0.5
+    assert nc.mgrit(1) == nc.mgrit(2) and nc.mgrit(64) == nc.mgrit(6)
+    assert nc.layer_fb(2) == 3.0 and net_costs({"batches": {"2": _entry()}, "lean": lean},
+                                               opt_layer=0.0).mgrit(9).per_layer == 0.0
+    # strategy_times: the strategies' formulas on these costs; NaN where P cannot be used
+    from mgrit.perf import strategies as st
+    from mgrit.perf.trace.calibrate import strategy_times
+    o = MGRITOptions(max_levels=2, cfactor=2, max_iter=1, tol=0.0)
+    cal, comm = {"batches": {"2": _entry()}, "lean": lean}, CommCost(1.0, 1e3)
+    t = strategy_times(cal, comm, 4, [16, 16, 4], [1, 8, 8], o, o, 1)
+    c16 = net_costs(cal).__class__(**{**vars(net_costs(cal)), "n_layers": 16})
+    assert t["serial"][:2] == [st.serial_step(c16, 4)] * 2 == [16 * 3.5] * 2
+    assert t["GPipe"][1] == st.best_gpipe(c16, 4, 8, comm)[0]
+    assert t["MGRIT"][1] == st.mgrit_step(c16, 4, 8, o, o, 1, 1, comm)["train"]
+    assert math.isnan(t["data parallel"][1]) and math.isnan(t["MGRIT"][2])  # P > b; P > N
+    assert t["MGRIT x DP"][1] == min(st.mgrit_step(c16, 4, pl, o, o, 1, 1, comm, pd)["train"]
+                                     for pl, pd in ((2, 4), (4, 2)))
+
+
+def test_calibrate_one_rank_runs():
+    # the calibration's pieces exist and are consistent (no timing assertion): the one-rank
+    # trace it keeps is the real code's run (counts = the solver's), shares in [0, 1]
+    from mgrit.perf.trace.calibrate import calibrate, gradient_error
+    fwd = MGRITOptions(max_levels=2, cfactor=2, max_iter=1, tol=0.0)
+    traces = {}
+    cal = calibrate(8, 2, [2], fwd, fwd, steps=2, repeats=1, traces=traces)
+    e = cal["batches"]["2"]
+    assert 0.0 <= e["untraced_share"] <= 1.0 and e["fixed_f"] >= 0 and e["untraced_layer"] >= 0
+    assert traces[2].counts(0) == traces[2].solver_counts(0)
+    assert len(traces[2].meta["step_walls"]) == 2 and cal["lean"]["n_layers"] == 8
+    with pytest.raises(ValueError, match="steps >= 2"):
+        calibrate(8, 2, [2], fwd, fwd, steps=1)
+    # inexact (one forward cycle) is off the exact gradient; as many cycles as a two-level
+    # F-relaxation needs (N / m) make it exact
+    assert gradient_error(8, 2, 2, fwd, fwd) > 1e-6
+    exact = MGRITOptions(max_levels=2, cfactor=2, max_iter=4, tol=0.0)
+    assert gradient_error(8, 2, 2, exact, exact) < 1e-10

@@ -10,7 +10,10 @@ recorded as it ran (measured), and its critical path under calibrated costs (mod
 * :func:`step_costs` (:mod:`~mgrit.perf.trace.costs`): a cost table fitted to a trace's
   recorded step durations;
 * ``trace_resnet`` (:mod:`~mgrit.perf.trace.resnet`, also a command): a layer-parallel
-  ResNet's forward and adjoint solves at any ``P``.
+  ResNet's forward and adjoint solves at any ``P``;
+* :mod:`~mgrit.perf.trace.calibrate` (also a command): the replay's and the cost model's costs
+  of that ResNet measured on one core (step costs, the solver's host work, the untraced part of
+  a step, the lean serial loop, the gradient error).
 
 Off by default and free when off: the solver core only tests ``tracer is not None`` at its
 counting sites and never imports this package.

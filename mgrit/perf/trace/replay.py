@@ -22,6 +22,13 @@ end. With ``tau="recorded"`` and ``overhead=True`` the replay of a one-rank trac
 recorded wall clock (minus waits: there are none); on more ranks the difference to the
 recorded wall clock is the error of the message and collective costs.
 
+``host`` and ``per_solve`` charge the solver's host work from a calibration instead (modeled:
+:func:`mgrit.perf.overhead.solver_overhead_fit`, the bookkeeping of one-rank solves with a free
+propagator, measured apart from the run it predicts): ``host`` is added to every step's cost
+in the form of ``tau`` (per single step, per batched call, per batched interval), and
+``per_solve`` (seconds) is charged at the start of every solve. Messages and collectives keep
+their costs (their host work is in the ping-pong's latency).
+
 Unlike :func:`mgrit.perf.model.simulate` (which re-derives the operations from ``N``, ``P``
 and the options) the operations and their order here are the ones the real solver did,
 including every decision it took at run time (iterations to a tolerance, warm starts).
@@ -68,15 +75,27 @@ class ReplayResult:
 
 
 def _step_cost(tau, e) -> float:
-    if tau == "recorded":
+    if tau is None:
+        return 0.0
+    if isinstance(tau, str):  # "recorded"
         return e[2] - e[1]
     t = tau[e[3]] if isinstance(tau, Mapping) else tau
     return t.batched(e[5]) if e[6] else e[5] * t.single
 
 
+def _check_costs(name, tau, levels, recorded_ok):
+    if not ((recorded_ok and isinstance(tau, str) and tau == "recorded")
+            or isinstance(tau, (StepCost, Mapping))):
+        raise ValueError(f"{name}={tau!r} is not allowed: use a StepCost, a mapping level -> "
+                         f"StepCost{' or ' + repr('recorded') if recorded_ok else ''}")
+    if isinstance(tau, Mapping) and not levels <= set(tau):
+        raise ValueError(f"{name} has no cost for levels {sorted(levels - set(tau))}")
+
+
 def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
            comm: CommCost = CommCost(0.0, math.inf), overhead: bool = False,
-           label: str | None = None) -> ReplayResult:
+           label: str | None = None, host: StepCost | Mapping[int, StepCost] | None = None,
+           per_solve: float = 0.0) -> ReplayResult:
     """Critical path of ``trace`` (only its solves named ``label``, default all) under the
     given costs (module docstring).
 
@@ -88,21 +107,30 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
         comm: message cost (default free: latency 0, infinite bandwidth).
         overhead: charge the recorded time between events (default False: only the
             itemized operations cost).
+        host: the solver's host work per step, added to ``tau`` (a :class:`StepCost` or a
+            mapping level -> StepCost; default None: none).
+        per_solve: host work charged at the start of every solve (seconds >= 0; default 0).
 
     Raises:
-        ValueError: ``tau`` of another kind or missing a level; the trace's messages or
+        ValueError: ``tau`` or ``host`` of another kind or missing a level; ``per_solve``
+            negative or not finite; ``overhead=True`` with ``host`` or ``per_solve`` (the
+            recorded host time and a calibrated one would count it twice); the trace's messages or
             collectives do not match (a receive whose send never comes, collectives of
             different kinds or numbers on different ranks).
     """
-    if not (tau == "recorded" or isinstance(tau, (StepCost, Mapping))):
-        raise ValueError(f"tau={tau!r} is not allowed: use a StepCost, a mapping level -> "
-                         f"StepCost or 'recorded'")
     if not isinstance(comm, CommCost):
         raise ValueError(f"comm must be a CommCost, got {type(comm).__name__}")
     P = trace.nprocs
     levels = {e[3] for r in range(P) for e in trace.events(r, label) if e[0] == "step"}
-    if isinstance(tau, Mapping) and not levels <= set(tau):
-        raise ValueError(f"tau has no cost for levels {sorted(levels - set(tau))}")
+    _check_costs("tau", tau, levels, True)
+    if host is not None:
+        _check_costs("host", host, levels, False)
+    if isinstance(per_solve, bool) or not isinstance(per_solve, (int, float)) or not (
+            0 <= per_solve < math.inf):
+        raise ValueError(f"per_solve={per_solve!r} is not allowed: use seconds >= 0")
+    if overhead and (host is not None or per_solve):
+        raise ValueError("overhead=True charges the recorded host time; host/per_solve charge a "
+                         "calibrated one: use one of the two")
     red = math.ceil(math.log2(P)) * comm.message(8) if P > 1 else 0.0
     # (kind, event, host time before it) per rank; the solve's tail as a pseudo-event
     work = []
@@ -110,6 +138,8 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
         seq = []
         for s in trace.solves(r, label):
             last = s["t0"]
+            if per_solve:
+                seq.append((None, float(per_solve)))
             for e in s["events"]:
                 seq.append((e, max(e[1] - last, 0.0) if overhead else 0.0))
                 last = e[2]
@@ -156,7 +186,7 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
                     c["messages"] += 1
                     c["bytes_sent"] += e[5]
                 else:
-                    t[r] += gap + _step_cost(tau, e)
+                    t[r] += gap + _step_cost(tau, e) + _step_cost(host, e)
                     if e[6]:
                         c["steps_batched_calls"] += 1
                         c["steps_batched_items"] += e[5]

@@ -7,7 +7,8 @@ dedicated cores).
 What is traced: the solves (steps, state messages, the solver's collectives). Not traced:
 the autograd bridge around them (the parameter-gradient sweep after the adjoint solve, the
 agreement collectives of the bridge, the loss) -- see the issue-24 notes in
-``docs/features/tracing.rst``.
+``docs/features/tracing.rst``; its share of the step is measured
+(``meta["step_walls"]`` minus the solves' walls; :mod:`mgrit.perf.trace.calibrate`).
 
 Command line (one JSON file per run, every rank's record gathered on rank 0)::
 
@@ -49,7 +50,9 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
         ``(trace on rank 0 / None elsewhere, the model, this rank's tracer)``; the model's
         ``forward_solver.stats`` and ``backward_solver.stats`` are the solver's own counters
         of the traced solves (fresh model: nothing else ran). Solves are labelled
-        ``"forward"`` and ``"adjoint"``.
+        ``"forward"`` and ``"adjoint"``. The trace's ``meta["step_walls"]``: each training
+        step's wall clock (seconds, forward + backward with the untraced bridge, the largest
+        over the ranks; measured).
 
     Raises:
         ValueError: both solves have one level (nothing to trace: the one-level exact path
@@ -67,12 +70,17 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
     tracer.attach(model.forward_solver, "forward")
     tracer.attach(model.backward_solver, "adjoint")
     x = torch.randn(batch, width, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1))
+    walls = []
     for _ in range(steps):
+        t0 = tracer.clock()
         y = model(x if model.is_first else None, batch_size=batch)
         (y.square().sum() / batch if model.is_last else y.sum()).backward()
+        walls.append(tracer.clock() - t0)
+    walls = [max(v) for v in zip(*comm.allgather(walls))]  # the slowest rank's step
     meta = {"network": f"dense ResNet, {n_layers} layers, width {width}, {act}",
             "batch": batch, "dtype": str(dtype), "steps": steps, "P": comm.Get_size(),
-            "forward": repr(fwd), "backward": repr(bwd), "n_layers": n_layers}
+            "forward": repr(fwd), "backward": repr(bwd), "n_layers": n_layers,
+            "step_walls": walls}
     return tracer.gather(comm, 0, meta), model, tracer
 
 

@@ -83,6 +83,21 @@ class Trace:
         """The solves of ``rank`` in the order they ran (only those named ``label``)."""
         return [s for s in self.ranks[rank]["solves"] if label is None or s["label"] == label]
 
+    def subset(self, start: int, stop: int | None = None) -> "Trace":
+        """The trace of solves ``start:stop`` (Python slice of each rank's solves in the
+        order they ran; e.g. ``subset(2)`` drops a training step's forward and adjoint solve,
+        the warm-up). Every rank must have run the same number of solves (a solve is
+        collective), so a message of a kept solve keeps both its ends.
+
+        Raises:
+            ValueError: the ranks ran different numbers of solves.
+        """
+        n = {len(d["solves"]) for d in self.ranks}
+        if len(n) > 1:
+            raise ValueError(f"the ranks ran {sorted(n)} solves: a subset needs the same number "
+                             f"on every rank")
+        return Trace([dict(d, solves=d["solves"][start:stop]) for d in self.ranks], self.meta)
+
     def events(self, rank: int, label: str | None = None) -> list[list]:
         """The events of ``rank``'s solves, in order, concatenated."""
         return [e for s in self.solves(rank, label) for e in s["events"]]
