@@ -112,25 +112,29 @@ def fmt_interval(r: dict, unit: str = "", digits: int = 2, signed: bool = False)
 
 def verdict(gap: dict, tol: float, unit: str, better: int = +1) -> str:
     """What the 95% interval ``gap`` of MGRIT - serial (``unit``: ``points`` or ``%``)
-    supports against the tolerance ``tol`` (same unit): within +-tol, worse / better than
-    serial (the interval excludes 0), worse / better by more than tol, or unresolved (the
+    supports against the tolerance ``tol`` (same unit): within +-tol (and above / below
+    serial when the interval also excludes 0), above / below serial with the interval reaching
+    beyond tol, above / below by more than tol (the whole interval), or not resolved (the
     interval includes 0 and reaches beyond tol). ``better``: +1 when a larger value is better
-    (accuracy), -1 when smaller is (loss)."""
+    (accuracy), -1 when smaller is (loss): it labels a side ``(better)`` or ``(worse)``."""
     n = gap["n"]
     d = f"{gap['mean']:+.2f} {unit}"
     if n < 2:
         return f"MGRIT - serial {d} from one seed: no interval, no verdict"
     lo, hi = gap["lo"], gap["hi"]
     ci = f"MGRIT - serial {d}, 95% interval [{lo:+.2f}, {hi:+.2f}] {unit} over {n} seeds"
-    worse, better_ = ("below", "above") if better > 0 else ("above", "below")
+    side = None  # where the interval excludes 0: the value direction, and better or worse
+    if lo > 0 or hi < 0:
+        side = ("above" if lo > 0 else "below") + (
+            " (better)" if (lo > 0) == (better > 0) else " (worse)")
     if -tol <= lo and hi <= tol:
-        return f"{ci}: within +-{tol:g} {unit} of serial (the whole interval)"
-    if (hi < 0 if better > 0 else lo > 0):
-        far = (hi < -tol) if better > 0 else (lo > tol)
-        return (f"{ci}: MGRIT is {worse} serial" + (f" by more than {tol:g} {unit}" if far
-                                                    else ""))
-    if (lo > 0 if better > 0 else hi < 0):
-        return f"{ci}: MGRIT is {better_} serial"
+        tail = f"; MGRIT is {side} serial (the interval excludes 0)" if side else ""
+        return f"{ci}: within +-{tol:g} {unit} of serial (the whole interval){tail}"
+    if side is not None:
+        far = lo > tol or hi < -tol  # the whole interval beyond the tolerance
+        return (f"{ci}: MGRIT is {side} serial"
+                + (f" by more than {tol:g} {unit}" if far else
+                   f"; the interval reaches beyond +-{tol:g} {unit}"))
     return (f"{ci}: not resolved -- the interval includes 0 but reaches beyond +-{tol:g} "
             f"{unit}; these seeds cannot show 'within {tol:g} {unit}'")
 
