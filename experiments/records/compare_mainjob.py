@@ -31,9 +31,9 @@ Run directories ``experiments/results/records/mnist_mgrit_vs_serial/runs/resnet-
 evaluated with the exact serial forward in ``exact_eval.json``, the load average around the job
 in ``load.json``). Full-mode run time, estimated on 2 idle cores: 5 serial runs of ~9 s (start-up
 ~6 s, 6 epochs of ~0.3 s plus evaluation) and 15 MGRIT runs of ~15 s (start-up ~8 s, 6 epochs of
-~0.7 s, the exact evaluation): about 5 minutes. ``--smoke``: seeds 0 and 1, the candidate 2 / 1 only, tiny
-runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy machine; the times per epoch are wall times under
-the recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows) and ``seeds.py``
+~0.7 s, the exact evaluation): about 5 minutes. ``--smoke``: seeds 0 and 1, the candidate
+2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy
+machine; the times per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows) and ``seeds.py``
 (intervals, choice, verdict).
 """
 from __future__ import annotations
@@ -65,7 +65,8 @@ CANDIDATES = {"1/1": ["--fwd-iters", "1", "--bwd-iters", "1"],
 SMOKE = ["--limit-train", "80", "--limit-test", "32", "--epochs", "2", "--layers", "16"]
 SMOKE_SEEDS, SMOKE_CANDIDATES = (0, 1), ("2/1",)
 TOL = 1.0          # points: the acceptance tolerance of the test accuracy gap
-CLAIM = "layer-parallel MGRIT (2 ranks, inexact, cycles chosen on validation) vs serial, test accuracy"
+CLAIM = ("layer-parallel MGRIT (2 ranks, inexact, cycles chosen on validation) vs serial, test "
+         "accuracy")
 #: the setting as read from config.json: (key, label)
 SETTING = (("dataset", "data"), ("n_train", "train samples"), ("n_val", "validation samples"),
            ("n_test", "test samples"), ("model", "model"), ("step", "step"),

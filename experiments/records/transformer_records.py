@@ -27,7 +27,8 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
     python experiments/records/transformer_records.py --report-only   # rewrite the tables
     python experiments/records/transformer_records.py --smoke --out /tmp/x   # 4 tiny jobs
 
-Run directories: ``experiments/results/records/transformers/runs/<model>-<variant>-s<seed>-<method>/``
+Run directories:
+``experiments/results/records/transformers/runs/<model>-<variant>-s<seed>-<method>/``
 (``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time, ESTIMATED for
 2 idle cores (per-epoch costs scaled from the loaded runs at commit c840ac3 by width, depth and
 tokens; not measured on an idle machine, uncertain by about +-50%): ViT serial ~1 s / epoch,
