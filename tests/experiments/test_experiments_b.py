@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skip
 
 ROOT = Path(__file__).resolve().parents[2]
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
-        "batchnorm_dropout", "tied_resnet"]
+        "batchnorm_dropout", "tied_resnet", "transformers"]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,27 @@ def test_mainjob_record_is_generated_from_the_runs(quick):
     e = {x.name: x for x in rg.REGISTRY}["mnist_mgrit_vs_serial"]
     assert rg.command(e, "full", "all", Path("/x"))[:2] == [sys.executable,
                                                             str(ROOT / e.script)]
+
+
+def test_transformer_record_is_generated_from_the_runs(quick):
+    """transformer_records.py --smoke: the ViT and the GPT, seed 0, serial and MGRIT 2 / 1 with
+    a validation split; the choice, the per-epoch gap (one seed: no interval) and the README
+    sentence come from the runs' summary.json."""
+    d = quick[0] / "records" / "transformers"
+    choice = json.loads((d / "choice.json").read_text())
+    assert choice["chosen"] == {"vit": "2/1", "gpt": "2/1"}
+    table, summary = (d / "table.md").read_text(), (d / "summary.md").read_text()
+    for model, key in (("vit", "test_acc"), ("gpt", "test_loss")):
+        ser, mg = (json.loads((d / "runs" / f"{model}-ode-s0-{m}" / "summary.json").read_text())
+                   for m in ("serial", "mgrit-c21"))
+        assert (ser["world_size"], mg["world_size"]) == (1, 2)
+        assert ser["config"]["n_val"] == mg["config"]["n_val"] > 0
+        a, b = ser["epochs"][key][-1], mg["epochs"][key][-1]
+        gap = 100 * (b - a) if key == "test_acc" else 100 * (b / a - 1)
+        unit = "points" if key == "test_acc" else "%"
+        assert f"MGRIT - serial {gap:+.2f} {unit} from one seed: no interval" in table
+        assert f"{model} ode {gap:+.2f} (n=1, no interval) {unit}" in summary
+    assert (d / "gap_vit.png").is_file() and (d / "gap_gpt.png").is_file()
 
 
 def test_stateful_records_are_generated_from_the_runs(quick):
