@@ -119,6 +119,7 @@ def verdict(gap: dict, tol: float, unit: str, better: int = +1) -> str:
     (accuracy), -1 when smaller is (loss): it labels a side ``(better)`` or ``(worse)``."""
     n = gap["n"]
     d = f"{gap['mean']:+.2f} {unit}"
+    tunit = "point" if unit == "points" and tol == 1 else unit  # "within 1 point"
     if n < 2:
         return f"MGRIT - serial {d} from one seed: no interval, no verdict"
     lo, hi = gap["lo"], gap["hi"]
@@ -129,14 +130,14 @@ def verdict(gap: dict, tol: float, unit: str, better: int = +1) -> str:
             " (better)" if (lo > 0) == (better > 0) else " (worse)")
     if -tol <= lo and hi <= tol:
         tail = f"; MGRIT is {side} serial (the interval excludes 0)" if side else ""
-        return f"{ci}: within +-{tol:g} {unit} of serial (the whole interval){tail}"
+        return f"{ci}: within +-{tol:g} {tunit} of serial (the whole interval){tail}"
     if side is not None:
         far = lo > tol or hi < -tol  # the whole interval beyond the tolerance
         return (f"{ci}: MGRIT is {side} serial"
-                + (f" by more than {tol:g} {unit}" if far else
-                   f"; the interval reaches beyond +-{tol:g} {unit}"))
+                + (f" by more than {tol:g} {tunit}" if far else
+                   f"; the interval reaches beyond +-{tol:g} {tunit}"))
     return (f"{ci}: not resolved -- the interval includes 0 but reaches beyond +-{tol:g} "
-            f"{unit}; these seeds cannot show 'within {tol:g} {unit}'")
+            f"{tunit}; these seeds cannot show 'within {tol:g} {tunit}'")
 
 
 def plateau(summaries: list, key: str = "val_loss") -> dict:

@@ -6,8 +6,8 @@ nested iteration), seeds 0, 1, 2, in two scalings: ``ode`` (``--T 1``, h = 1/N) 
 
 Budgets, fixed in advance (not tuned on any result): the ViT 4 pre-LN blocks of width 32 on
 3,200 training images (800 held out for validation), 10 epochs = 32,000 images; the GPT 4
-layer-parallel blocks of width 32 (one serial block each side), context 32, the first 6,000
-training windows of which 4,800 are trained on (1,200 held out), 6 epochs = 921,600 training
+layer-parallel blocks of width 32 (one serial block each side), context 32, the first 5,000
+training windows of which 4,000 are trained on (1,000 held out), 6 epochs = 768,000 training
 tokens. A fixed budget, not a stopping rule: how far each run is from a plateau is reported
 (the relative change of the validation loss over the last epoch, mean and 95% interval over
 seeds), and so is the gap at every epoch, not only the last.
@@ -30,11 +30,12 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
 Run directories:
 ``experiments/results/records/transformers/runs/<model>-<variant>-s<seed>-<method>/``
 (``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time, ESTIMATED for
-2 idle cores (per-epoch costs scaled from the loaded runs at commit c840ac3 by width, depth and
-tokens; not measured on an idle machine, uncertain by about +-50%): ViT serial ~1 s / epoch,
-MGRIT ~4 s / epoch: 6 serial runs of ~17 s and 9 MGRIT runs of ~50 s (~8 min); GPT serial
-~1.6 s / epoch, MGRIT ~6.5 s / epoch: 6 serial runs of ~17 s and 9 MGRIT runs of ~50 s
-(~9 min); about 17 minutes in all. ``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only,
+2 idle cores (per-epoch costs scaled from the runs at commit c840ac3, made under load, by
+width, depth and tokens; not measured on an idle machine, uncertain by about +-50%): ViT
+serial ~1.1 s / epoch and MGRIT ~4-5 s / epoch, so 6 serial runs of ~20 s and 9 MGRIT runs of
+~45-57 s (~10 min); GPT serial ~2 s / epoch and MGRIT ~7 s / epoch, so 6 serial runs of ~22 s
+and 9 MGRIT runs of ~55 s (~10 min); about 20 minutes in all (with the main job's record's
+~5 minutes, about 25 of the 30 allowed). ``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only,
 tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy machine; the times
 per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs,
 rows, the exact evaluation) and ``seeds.py`` (intervals, choice, verdict).
@@ -66,7 +67,7 @@ MODELS = {
             "val_acc", "test_acc", 1.0, "points"),
     "gpt": (["--model", "gpt", "--dataset", "pydoc-topics", "--d-model", "32", "--heads", "4",
              "--layers", str(LAYERS), "--buffer-layers", "1", "--context", "32",
-             "--limit-train", "6000", "--limit-test", "1000", *_ADAM, "--lr", "2e-3",
+             "--limit-train", "5000", "--limit-test", "1000", *_ADAM, "--lr", "2e-3",
              "--epochs", "6"],
             "val_loss", "test_loss", 3.0, "%"),
 }

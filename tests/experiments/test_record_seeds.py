@@ -76,11 +76,11 @@ def test_choice_uses_validation_only_and_ties_keep_the_cheaper():
 
 
 @pytest.mark.parametrize("lo, hi, better, expect", [
-    (-0.5, 0.8, +1, "within +-1 points of serial (the whole interval)"),
-    (-3.0, -1.5, +1, "MGRIT is below (worse) serial by more than 1 points"),
-    (-0.9, -0.1, +1, "within +-1 points of serial (the whole interval); MGRIT is below (worse)"),
-    (0.2, 0.9, +1, "within +-1 points of serial (the whole interval); MGRIT is above (better)"),
-    (-2.0, -0.5, +1, "MGRIT is below (worse) serial; the interval reaches beyond +-1 points"),
+    (-0.5, 0.8, +1, "within +-1 point of serial (the whole interval)"),
+    (-3.0, -1.5, +1, "MGRIT is below (worse) serial by more than 1 point"),
+    (-0.9, -0.1, +1, "within +-1 point of serial (the whole interval); MGRIT is below (worse)"),
+    (0.2, 0.9, +1, "within +-1 point of serial (the whole interval); MGRIT is above (better)"),
+    (-2.0, -0.5, +1, "MGRIT is below (worse) serial; the interval reaches beyond +-1 point"),
     (-2.0, 0.5, +1, "not resolved"),
     (0.5, 2.0, -1, "MGRIT is above (worse) serial; the interval reaches beyond"),  # a loss
     (-2.0, -1.5, -1, "MGRIT is below (better) serial by more than 1"),
