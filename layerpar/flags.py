@@ -36,6 +36,12 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    help="test share for sets without a shipped split (seeded stratified split)")
     g.add_argument("--limit-train", type=int, default=D.limit_train,
                    help="use only the first N training samples (0 = all)")
+    g.add_argument("--val-fraction", type=float, default=D.val_fraction,
+                   help="validation share in [0, 1): the last round(F x n) of the n training "
+                        "samples (after --limit-train) are held out, never trained on, and "
+                        "evaluated after every epoch (val_acc, val_loss in metrics.h5 and "
+                        "summary.json); make choices (cycles, coarsening, epochs) on them, not "
+                        "on the test set (default 0 = none; e.g. 0.2)")
     g.add_argument("--limit-test", type=int, default=D.limit_test,
                    help="use only the first N test samples (0 = all)")
     g = p.add_argument_group("network")

@@ -34,6 +34,7 @@ from mgrit.training.callbacks import ConsoleLog, ProgressBar
 from mgrit.training.checkpoint import save_checkpoint
 from mgrit.training.support.faults import phase, set_log_dir
 from mgrit.training.guard import ConvergenceGuard
+from mgrit.training.heldout import Validation
 from mgrit.training.lrschedule import LRSchedule
 from mgrit.training.metrics import MetricsWriter
 from mgrit.training.trainer import Trainer
@@ -41,7 +42,7 @@ from mgrit.training.trainer import Trainer
 from .jobconfig import LANGUAGE_MODELS, JobConfig
 from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
 
-__all__ = ["run_job", "OPTIMIZERS", "RUNS"]
+__all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 
 #: Default parent folder of run directories (``runs/<method>-<timestamp>``).
 RUNS = Path(__file__).resolve().parents[2] / "runs"
@@ -132,11 +133,40 @@ def _load(c: JobConfig, dtype):
             train.num_classes)
 
 
+def hold_out(data: tuple, fraction: float) -> tuple[tuple, tuple | None]:
+    """``--val-fraction``: ``(train, validation)`` of the training tensors ``data = (x, y)``;
+    the validation split is the last ``round(fraction * n)`` of the ``n`` samples (the
+    bundled image sets' training splits are already in a seeded shuffled order; a text
+    corpus' windows are consecutive, so the validation windows are one contiguous stretch of
+    the training text; they share no target character with the training windows, only the
+    seam character that the last training window predicts), the training split the rest, in
+    order. ``fraction == 0``: ``(data, None)``. The test split is untouched: the three are
+    disjoint. (The image sets' normalization statistics remain those of the whole training
+    split, as loaded.)
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1), or a split without samples (too few training
+            samples for the fraction), naming the value.
+    """
+    x, y = data
+    if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
+        raise ValueError(f"--val-fraction={fraction!r} is not allowed: use a number in [0, 1)")
+    if fraction == 0:
+        return data, None
+    n = len(y)
+    k = int(round(fraction * n))
+    if k < 1 or k >= n:
+        raise ValueError(f"--val-fraction={fraction} of {n} training samples leaves "
+                         f"{k} for validation and {n - k} for training: both need at least "
+                         f"one (use a larger --val-fraction or --limit-train)")
+    return (x[:n - k], y[:n - k]), (x[n - k:], y[n - k:])
+
+
 class _Run:
     """What the job has built so far (for the report of an interrupted run)."""
 
     def __init__(self):
-        self.trainer, self.writer = None, None
+        self.trainer, self.writer, self.val = None, None, None
 
 
 def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
@@ -194,16 +224,21 @@ def _run_job(c: JobConfig, comm: MPI.Comm, grid, run: Path, state: _Run) -> dict
     dtype = torch.get_default_dtype()
     t_load = time.perf_counter()
     train, test, num_classes = _load(c, dtype)
+    with phase("data loading", hint="choose --val-fraction in [0, 1) that leaves samples in "
+                                    "both splits"):
+        train, state.val = hold_out(train, c.val_fraction)
     t_load = time.perf_counter() - t_load
     in_shape = tuple(train[0].shape[1:])
     config = c.to_dict()
     config.update(world_size=world, P_L=grid.layer_size, P_D=grid.data_size,
-                  n_train=len(train[1]), n_test=len(test[1]), input_shape=list(in_shape),
+                  n_train=len(train[1]), n_test=len(test[1]),
+                  n_val=0 if state.val is None else len(state.val[1]), input_shape=list(in_shape),
                   num_classes=num_classes, out=str(run), h=c.T / c.layers,
                   torch_threads=torch.get_num_threads(), device_effective=str(state.device))
     if rank0:  # with the facts export needs (input shape, classes)
         _write_config(run, config)
-    say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {len(test[1])} test "
+    val = "" if state.val is None else f"{len(state.val[1])} validation / "
+    say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {val}{len(test[1])} test "
         f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
     t0 = time.perf_counter()
@@ -230,7 +265,8 @@ def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_loa
                            else None).to(device=device, dtype=torch.get_default_dtype())
 
     def make(cfg, net, levels=None):
-        state.trainer = _make_trainer(cfg, grid, net, test, run, config, t_load, levels)
+        state.trainer = _make_trainer(cfg, grid, net, test, run, config, t_load, levels,
+                                      val=state.val)
         state.writer = next(cb for cb in state.trainer.callbacks if isinstance(cb, MetricsWriter))
         return state.trainer
 
@@ -249,10 +285,11 @@ def _run_trainer(c, grid, train, test, in_shape, num_classes, run, config, t_loa
     return final
 
 
-def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Trainer:
+def _make_trainer(c, grid, net, test, run, config, t_load, levels=None, val=None) -> Trainer:
     """Optimizer, callbacks and :class:`Trainer` of ``net``; ``levels``: the
     :class:`~mgrit.multilevel.initialization.LevelHistory` of a ``--multilevel-init`` schedule
-    (first callback; one metrics writer for all levels)."""
+    (first callback; one metrics writer for all levels); ``val``: the ``--val-fraction``
+    split (a :class:`~mgrit.training.heldout.Validation` callback) or None."""
     mgrit = c.method == "mgrit"
     if mgrit:  # the first layer-parallel segment's (the GRU's for --model gru)
         config["warm_start_effective"] = (net.gru if c.model == "gru"
@@ -291,6 +328,8 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None) -> Train
             extra={"method": c.method, "load_s": t_load}, levels=levels)
         writer.eval_solve, writer.tensorboard = describe, c.tensorboard
     callbacks.append(ConsoleLog())
+    if val is not None:  # after the epoch line, before the writer (its files carry val_*)
+        callbacks.append(Validation(val))
     if mgrit and c.model == "gru":
         callbacks.append(GRUSolverLog(extra=writer.extra))
     if vocab is not None:
@@ -324,7 +363,8 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
         run, config, f"{c.method} {c.dataset} {c.model} N={c.layers} world="
                      f"{grid.comm.Get_size()} dp={c.dp}", extra=extra,
         eval_solve=lambda t: eval_solve(t.net, c.method), tensorboard=c.tensorboard)
-    callbacks += [ConsoleLog(), state.writer]
+    callbacks += [ConsoleLog()] + ([Validation(state.val)] if state.val is not None else [])
+    callbacks += [state.writer]
     state.trainer = trainer = Trainer(method, None, grid, callbacks=callbacks,
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
                       checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)

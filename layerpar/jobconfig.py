@@ -25,6 +25,7 @@ class JobConfig:
     dataset: str = "mnist5k"
     data_root: str | None = None
     test_fraction: float = 0.2
+    val_fraction: float = 0.0
     limit_train: int = 0
     limit_test: int = 0
     model: str = "resnet"

@@ -95,6 +95,10 @@ def validate(c, world: int) -> None:
     if not 0 < c.test_fraction < 1:
         raise ValueError(f"--test-fraction={c.test_fraction} is not allowed: use a number "
                          f"in (0, 1)")
+    if not (isinstance(c.val_fraction, (int, float)) and math.isfinite(c.val_fraction)
+            and 0 <= c.val_fraction < 1):
+        raise ValueError(f"--val-fraction={c.val_fraction} is not allowed: use a number in "
+                         f"[0, 1) (0 = no validation split)")
     for r in c.relax.split(","):
         try:
             relaxation_sweeps(r.strip())

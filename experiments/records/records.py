@@ -1,16 +1,16 @@
 """Shared machinery of the main job's recorded comparisons (``experiments/records/transformer_records.py``,
 ``experiments/records/compare_mainjob.py``): serial (1 rank) vs layer-parallel MGRIT (2 ranks) runs of
-``experiments/train.py`` with the same seed and epochs.
+``experiments/train.py`` with the same seed and epochs (and ``stateful_records.py``).
 
-A record keeps each run in ``<base>/runs/<model>-<method>/`` (the job's ``config.json``,
+A record keeps each run in ``<base>/runs/<name>/`` (the job's ``config.json``,
 ``metrics.h5``, ``summary.json``, ``curves.png``). :func:`command` builds the job's command line
 (``--serial`` on 1 rank, or ``mpiexec -n 2 ... --method mgrit`` with a checkpoint at the end),
 :func:`run_job` launches it (``OMP_NUM_THREADS=1``, the venv's mpiexec) and evaluates a
 layer-parallel run's final weights with the exact forward (:func:`exact_evaluation`,
 ``exact_eval.json``); :func:`load` and :func:`row` turn a run directory into a table row,
-:func:`table` / :func:`commands` / :func:`curves` into markdown, :func:`accuracy_verdict` into
-the acceptance sentence (test accuracy within a target of serial). Every number comes from the
-runs' files; nothing is typed.
+:func:`table` / :func:`commands` into markdown. The statistics over seeds (intervals, the gap
+per epoch, the held-out choice, the verdict) are ``experiments/records/seeds.py``. Every number
+comes from the runs' files; nothing is typed.
 """
 from __future__ import annotations
 
@@ -169,14 +169,6 @@ def loadavg(v) -> str:
     return " ".join(f"{x:.2f}" for x in v)
 
 
-def load_average_text(r: dict) -> str:
-    """``r``'s load average before / after its job (1-minute values), or why it is missing."""
-    ld = r.get("load")
-    if not ld:
-        return "load not recorded"
-    return f"load average {ld['before'][0]:.2f} before / {ld['after'][0]:.2f} after, {ld['cores']} cores"
-
-
 def exact_text(r: dict) -> str:
     e = r.get("exact")
     if not e:
@@ -218,38 +210,3 @@ def commands(rows: list) -> list:
     """Markdown lines: each run's command line."""
     return (["Commands (run from the repository root):", ""]
             + [f"- {r['model']} {r['method']}: `{r['command']}`" for r in rows])
-
-
-def curves(rows: list) -> list:
-    """Markdown lines: each run's test accuracy per epoch."""
-    return (["Test accuracy per epoch (%):", ""]
-            + [f"- {r['model']} {r['method']}: "
-               f"{', '.join(f'{a * 100:.1f}' for a in r['test_accs'])}" for r in rows])
-
-
-def accuracy_verdict(s: dict, m: dict, target: float) -> tuple[str, bool]:
-    """The acceptance sentence for rows ``s`` (serial) and ``m`` (MGRIT): MGRIT's final test
-    accuracy not more than ``target`` (a fraction: 0.01 = 1 point) below serial's; and whether
-    it is met."""
-    diff = (s["test_acc"] - m["test_acc"]) * 100
-    k = min(3, len(s["test_accs"]), len(m["test_accs"]))  # the epochs of last3_acc
-    ok = diff <= target * 100
-    result = "met" if ok else f"MISSED by {diff - target * 100:.2f} points"
-    if ok and abs(diff) > target * 100:  # above serial by more than the target
-        result = (f"met as 'not more than {target * 100:.0f} point below serial'; the "
-                  f"two-sided difference {abs(diff):.2f} is > {target * 100:.0f} "
-                  f"(one seed; the last-{k}-epoch means differ by "
-                  f"{abs(m['last3_acc'] - s['last3_acc']) * 100:.2f} points)")
-    verdict = (f"test accuracy {m['test_acc'] * 100:.2f}% (MGRIT) vs {s['test_acc'] * 100:.2f}% "
-               f"(serial): MGRIT is {abs(diff):.2f} points "
-               f"{'below' if diff > 0 else 'above'} serial; target within "
-               f"{target * 100:.0f} point -> {result} (mean over the last {k} epochs "
-               f"{m['last3_acc'] * 100:.2f}% vs {s['last3_acc'] * 100:.2f}%; final "
-               f"training loss {m['train_loss']:.4f} vs {s['train_loss']:.4f})")
-    return verdict, ok
-
-
-def accuracy_ours(s: dict, m: dict) -> str:
-    """The headline's ``ours`` for an accuracy comparison."""
-    return (f"serial {s['test_acc'] * 100:.2f}% vs MGRIT {m['test_acc'] * 100:.2f}% "
-            f"({s['epochs']} epochs)")

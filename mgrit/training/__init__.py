@@ -9,7 +9,8 @@ optimizer: the layer-wise methods), the records :class:`FitResult` and :class:`S
 gradients' bias against their noise; raises the solve accuracy or switches to serial),
 :class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
 Modules: ``trainer`` (the step), ``fit`` (the epoch loop), ``method`` (``TrainingMethod``,
-``MethodOptimizer``), ``epoch``, ``schedule`` (batches, shards), ``lrschedule`` (learning-rate
+``MethodOptimizer``), ``epoch``, ``schedule`` (batches, shards), ``heldout`` (the
+:class:`~mgrit.training.heldout.Validation` callback: a validation split after every epoch), ``lrschedule`` (learning-rate
 schedules), ``callbacks``, ``guard``, ``metrics`` (+ ``report``, the results writers it shares
 with the experiments), ``records`` (``FitResult``, ``StepRecord``, ...), ``datapkg``.
 Sub-rooms (they import only ``support`` and lower floors): ``support`` (``faults``: phases,

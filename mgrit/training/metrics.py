@@ -72,7 +72,8 @@ def write_curves(run, hist: dict, title: str, steps: dict | None = None,
     """``run/curves.png``, two panels over epochs (integer ticks; epoch 0 = before training):
     the training loss per step (thin line, ``steps``) and per epoch (mean), the test loss
     (from epoch 0 with ``initial`` = ``(test accuracy, test loss)`` before training); the
-    train and test accuracy per epoch (test from epoch 0)."""
+    train and test accuracy per epoch (test from epoch 0); the validation loss and accuracy
+    per epoch when ``hist`` has ``val_loss`` / ``val_acc``."""
     # matplotlib is imported here: it takes about a second and only the root rank plots
     import matplotlib
     matplotlib.use("Agg")
@@ -91,6 +92,10 @@ def write_curves(run, hist: dict, title: str, steps: dict | None = None,
         xs = ([0] if init_loss is not None else []) + ep[:len(test_loss)]
         ys = ([init_loss] if init_loss is not None else []) + list(test_loss)
         ax1.plot(xs, ys, "s-", color="tab:orange", label="test loss")
+    for key, ax, label in (("val_loss", ax1, "validation loss"), ("val_acc", ax2, "validation")):
+        v = _floats(hist.get(key, []))  # a held-out split (mgrit.training.heldout.Validation)
+        if len(v) and not np.all(np.isnan(v)):
+            ax.plot(ep[:len(v)], v, "^--", color="tab:green", label=label)
     ax1.set_ylabel("loss")
     acc_drawn = False
     train_acc = _floats(hist.get("train_acc", []))
@@ -106,6 +111,8 @@ def write_curves(run, hist: dict, title: str, steps: dict | None = None,
     if not acc_drawn:
         ax2.text(0.5, 0.5, "no accuracy (not a classification)", ha="center", va="center",
                  transform=ax2.transAxes)
+    if "val_acc" in hist and not np.all(np.isnan(_floats(hist["val_acc"]))):
+        acc_drawn = True
     ax2.set_ylabel("accuracy")
     last = max([1] + [int(np.ceil(e)) for e in ep])
     for ax in (ax1, ax2):

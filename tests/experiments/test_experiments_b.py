@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skip
 
 ROOT = Path(__file__).resolve().parents[2]
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
-        "batchnorm_dropout", "tied_resnet"]
+        "batchnorm_dropout", "tied_resnet", "transformers"]
 
 
 @pytest.fixture(scope="module")
@@ -91,49 +91,75 @@ def test_gpu_scripts_dry_run(quick):
 
 
 def test_mainjob_record_is_generated_from_the_runs(quick):
-    """compare_mainjob.py: the serial job on 1 rank and the MGRIT job on 2 ranks at the job's
-    defaults; summary.md / headline.json state the numbers of the runs' own files."""
+    """compare_mainjob.py --smoke: seeds 0 and 1, serial on 1 rank and MGRIT (2 / 1 cycles) on
+    2 ranks at the job's defaults with a validation split; the per-epoch gap and its paired
+    interval in table.md are those recomputed here from the runs' own summary.json (Student-t
+    by hand), the choice is written with its validation numbers, headline.json states them."""
+    import math
+
+    from scipy import stats
+
     from experiments import regenerate as rg
     from layerpar.jobconfig import JobConfig
     d = quick[0] / "records" / "mnist_mgrit_vs_serial"
-    for f in ("table.md", "summary.md", "headline.json"):
+    for f in ("table.md", "summary.md", "headline.json", "choice.json", "gap.png"):
         assert (d / f).is_file() and (d / f).stat().st_size > 0, f"missing {f}"
     runs = d / "runs"
-    ser, mg = (json.loads((runs / f"resnet-{m}" / "summary.json").read_text())
-               for m in ("serial", "mgrit"))
-    assert (ser["method"], ser["world_size"], mg["method"], mg["world_size"]) == \
-        ("serial", 1, "mgrit", 2)
+    load = lambda r: json.loads((runs / r / "summary.json").read_text())  # noqa: E731
+    ser = [load(f"resnet-s{k}-serial") for k in (0, 1)]
+    mg = [load(f"resnet-s{k}-mgrit-c21") for k in (0, 1)]
     defaults = JobConfig()
-    for k in ("dataset", "model", "step", "width", "activation", "levels", "cfactor",
-              "fwd_iters", "bwd_iters", "relax", "tol", "optimizer", "lr", "momentum",
-              "batch_size", "seed", "dtype"):  # the job at its defaults (smoke: size only)
-        assert mg["config"][k] == ser["config"][k] == getattr(defaults, k), k
-    summary = (d / "summary.md").read_text()
-    sa, ma = ser["final"]["test_acc"], mg["final"]["test_acc"]
-    assert f"test accuracy {ma * 100:.2f}% (MGRIT) vs {sa * 100:.2f}% (serial)" in summary
-    met = (sa - ma) * 100 <= 1
-    assert f"**Result: {'met' if met else 'NOT met'}**" in summary
-    exact = json.loads((runs / "resnet-mgrit" / "exact_eval.json").read_text())
-    assert f"exact (serial) forward: {exact['test_acc'] * 100:.2f}% test accuracy" in summary
-    assert not (runs / "resnet-mgrit" / "checkpoint.pt").exists()
-    same = ser["final"]["initial_test_acc"] == mg["final"]["initial_test_acc"]
-    assert f"(MGRIT, its inexact forward): {'equal' if same else 'not equal'}." in summary
-    assert f"parameters {mg['config']['parameters']};" in summary
-    ts, tm = ser["times"]["mean_epoch_s"], mg["times"]["mean_epoch_s"]
-    assert f"serial {ts:.2f} s on 1 rank, MGRIT {tm:.2f} s on 2 ranks ({tm / ts:.2f}x" in summary
+    for k, (s, m) in enumerate(zip(ser, mg)):
+        assert (s["world_size"], m["world_size"]) == (1, 2)
+        assert s["config"]["seed"] == m["config"]["seed"] == k
+        assert s["config"]["n_val"] == m["config"]["n_val"] > 0
+        for key in ("dataset", "model", "step", "width", "activation", "levels", "cfactor",
+                    "fwd_iters", "bwd_iters", "relax", "tol", "optimizer", "lr", "momentum",
+                    "batch_size", "dtype"):  # the job at its defaults (smoke: size only)
+            assert m["config"][key] == s["config"][key] == getattr(defaults, key), key
+        assert not (runs / f"resnet-s{k}-mgrit-c21" / "checkpoint.pt").exists()
+    choice = json.loads((d / "choice.json").read_text())
+    assert choice["chosen"] == "2/1" and choice["validation"]["2/1"]["n"] == 2
+    val = [100 * m["epochs"]["val_acc"][-1] for m in mg]
+    assert abs(choice["validation"]["2/1"]["mean"] - sum(val) / 2) < 1e-9
+    table = (d / "table.md").read_text()
+    for e in range(len(ser[0]["epochs"]["test_acc"])):
+        diff = [100 * (m["epochs"]["test_acc"][e] - s["epochs"]["test_acc"][e])
+                for s, m in zip(ser, mg)]
+        mean = sum(diff) / 2
+        half = stats.t.ppf(0.975, 1) * abs(diff[0] - diff[1]) / math.sqrt(2) / math.sqrt(2)
+        assert f"| {mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}] |" in table, (e, diff)
     head = json.loads((d / "headline.json").read_text())
-    assert head["commits"] == sorted({ser["git_commit"], mg["git_commit"]})
+    assert head["commits"] == sorted({r["git_commit"] for r in ser + mg})
     acc, timing = head["rows"]
     assert acc["kind"] == "measured" and timing["kind"] == "timing"
-    assert acc["ours"].startswith(f"serial {sa * 100:.2f}% vs MGRIT {ma * 100:.2f}%")
-    load = json.loads((runs / "resnet-serial" / "load.json").read_text())["before"]
-    assert timing["ours"] == (f"serial {ts:.2f} s, MGRIT {tm:.2f} s: {tm / ts:.2f}x of serial "
-                              f"(load {' '.join(f'{x:.2f}' for x in load)})")
+    assert "2 seeds" in acc["ours"] and "95% interval" in acc["ours"]
     assert "[mnist_mgrit_vs_serial](results/records/mnist_mgrit_vs_serial/summary.md)" in \
         rg.readme_block(quick[0])
     e = {x.name: x for x in rg.REGISTRY}["mnist_mgrit_vs_serial"]
     assert rg.command(e, "full", "all", Path("/x"))[:2] == [sys.executable,
                                                             str(ROOT / e.script)]
+
+
+def test_transformer_record_is_generated_from_the_runs(quick):
+    """transformer_records.py --smoke: the ViT and the GPT, seed 0, serial and MGRIT 2 / 1 with
+    a validation split; the choice, the per-epoch gap (one seed: no interval) and the README
+    sentence come from the runs' summary.json."""
+    d = quick[0] / "records" / "transformers"
+    choice = json.loads((d / "choice.json").read_text())
+    assert choice["chosen"] == {"vit": "2/1", "gpt": "2/1"}
+    table, summary = (d / "table.md").read_text(), (d / "summary.md").read_text()
+    for model, key in (("vit", "test_acc"), ("gpt", "test_loss")):
+        ser, mg = (json.loads((d / "runs" / f"{model}-ode-s0-{m}" / "summary.json").read_text())
+                   for m in ("serial", "mgrit-c21"))
+        assert (ser["world_size"], mg["world_size"]) == (1, 2)
+        assert ser["config"]["n_val"] == mg["config"]["n_val"] > 0
+        a, b = ser["epochs"][key][-1], mg["epochs"][key][-1]
+        gap = 100 * (b - a) if key == "test_acc" else 100 * (b / a - 1)
+        unit = "points" if key == "test_acc" else "%"
+        assert f"MGRIT - serial {gap:+.2f} {unit} from one seed: no interval" in table
+        assert f"{model} ode {gap:+.2f} (n=1, no interval) {unit}" in summary
+    assert (d / "gap_vit.png").is_file() and (d / "gap_gpt.png").is_file()
 
 
 def test_stateful_records_are_generated_from_the_runs(quick):
@@ -172,6 +198,6 @@ def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    assert "--report-only needs both runs; missing" in last and "resnet-serial" in last \
-        and "resnet-mgrit" in last, last
+    assert "--report-only needs every run; missing" in last and "resnet-s0-serial" in last \
+        and "resnet-s4-mgrit-c32" in last, last
     assert not (tmp_path / "mnist_mgrit_vs_serial").exists()
