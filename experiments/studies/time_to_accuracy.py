@@ -57,8 +57,6 @@ per compiled run; the main-job network ~5 s per seed for all methods).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
@@ -76,8 +74,8 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from data import load_dataset  # noqa: E402
-from experiments.reports.study_parts import idle_barrier, write_headline  # noqa: E402
-from experiments.reports.time_to_target import summarize_method, target_from_pilot  # noqa: E402
+from experiments.reports.study_parts import idle_barrier  # noqa: E402
+from experiments.reports.time_to_target import target_from_pilot, write  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
 from mgrit.grid import Partition  # noqa: E402
 from mgrit.models import build_model  # noqa: E402
@@ -93,7 +91,7 @@ PILOT_SEED, FRACTION, N_VAL, COMPILE_BLOCK = 1000, 0.95, 500, 64
 #: name -> layers, width, batch, seeds, pilot epochs, cap epochs, evaluation every k steps
 FULL = {"mainjob": dict(layers=32, width=32, batch=50, seeds=5, pilot_epochs=3, cap_epochs=6,
                         every=10),
-        "deep": dict(layers=1024, width=8, batch=64, seeds=3, pilot_epochs=2, cap_epochs=5,
+        "deep": dict(layers=1024, width=8, batch=64, seeds=5, pilot_epochs=2, cap_epochs=5,
                      every=9)}
 SMOKE = {"mainjob": dict(FULL["mainjob"], seeds=1, pilot_epochs=1, cap_epochs=2, every=5),
          "deep": dict(FULL["deep"], layers=64, seeds=1, pilot_epochs=1, cap_epochs=2, every=5)}
@@ -348,126 +346,6 @@ def run_network(name, s, a, data, world, log):
             "runs": runs}
 
 
-# -- the report -----------------------------------------------------------------------------------
-def _ci(iv, fmt="{:.2f}"):
-    if iv is None:
-        return "-"
-    if iv["n"] < 2:
-        return fmt.format(iv["mean"])
-    return f"{fmt.format(iv['mean'])} ({fmt.format(iv['lo'])}-{fmt.format(iv['hi'])})"
-
-
-def summarize(res):
-    """Per method: :func:`summarize_method` plus the median seconds per step."""
-    out = {}
-    for k, runs in res["runs"].items():
-        sm = summarize_method(runs, res["target"], reporting.interval)
-        sm["s_per_step"] = float(np.median([r["clock"][-1] / r["steps"][-1] for r in runs]))
-        sm["first_step_s"] = float(np.median([r["first_step_s"] for r in runs]))
-        out[k] = sm
-    return out
-
-
-def verdict(name, res, sm):
-    """The plain sentence: which method reaches the target first, by how much, and MGRIT's
-    place (computed from the numbers)."""
-    full = [k for k in sm if sm[k]["reached"] == sm[k]["seeds"]]
-    if not full:
-        return f"On `{name}` no method reached the target in every seed."
-    win = min(full, key=lambda k: sm[k]["time"]["mean"])
-    t = {k: sm[k]["time"]["mean"] for k in full}
-    others = ", ".join(f"{k} {t[k]:.2f} s ({t[k] / t[win]:.2f}x)" for k in sorted(t, key=t.get)
-                       if k != win)
-    text = (f"On `{name}`, **{win}** reaches the target first: {t[win]:.2f} s on average "
-            f"over {sm[win]['seeds']} seeds; then {others or 'no other method in every seed'}.")
-    mg = sm.get("MGRIT")
-    if mg is None or win == "MGRIT":
-        if win == "MGRIT":
-            second = min((k for k in full if k != "MGRIT"), key=t.get, default=None)
-            if second:
-                d = reporting.paired_interval(sm["MGRIT"]["times"], sm[second]["times"])
-                text += (f" MGRIT wins by {t[second] / t[win]:.2f}x over {second} (paired "
-                         f"difference {second} - MGRIT {_ci(d)} s).")
-        return text
-    if mg["reached"] < mg["seeds"]:
-        return text + (f" MGRIT **loses**: it reached the target in only {mg['reached']} of "
-                       f"{mg['seeds']} seeds within the cap.")
-    d = reporting.paired_interval(sm[win]["times"], mg["times"])
-    return text + (f" MGRIT **loses** to {win}: {t['MGRIT'] / t[win]:.2f}x its time (paired "
-                   f"difference MGRIT - {win} {_ci(d)} s).")
-
-
-def plot(path, name, res):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for j, k in enumerate(res["runs"]):
-        for i, r in enumerate(res["runs"][k]):
-            kw = dict(color=f"C{j}", lw=1.6 if i == 0 else 0.6, alpha=1.0 if i == 0 else 0.5,
-                      label=k if i == 0 else None)
-            axes[0].plot(r["clock"], r["val_acc"], **kw)
-            axes[1].plot(r["clock"], r["val_loss"], **kw)
-    axes[0].axhline(res["target"], color="k", ls="--", lw=0.8, label="target")
-    for ax, yl in zip(axes, ("validation accuracy", "validation loss")):
-        ax.set_xlabel("training wall clock [s] (evaluation excluded)")
-        ax.set_ylabel(yl)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{name}: every seed (seed 0 bold), 2 ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write(a, results, meta, out_dir: Path):
-    body, lines, head = [], [], []
-    for name, res in results.items():
-        s, sm = res["settings"], summarize(res)
-        res["summary"] = sm
-        rows = [[k, f"{v['reached']}/{v['seeds']}", _ci(v["time"]),
-                 "-" if not v["reached"] else
-                 f"{np.mean([x for x in v['steps_to_target'] if x is not None]):.0f}",
-                 f"{1e3 * v['s_per_step']:.1f}", f"{v['first_step_s']:.2f}",
-                 _ci(v["test"], "{:.4f}")] for k, v in sm.items()]
-        setting = (f"N = {s['layers']} dense tanh steps of width {s['width']}, batch {s['batch']}, "
-                   f"{s['n_train']} training / {s['n_val']} validation / {s['n_test']} test "
-                   f"images, SGD lr 0.01 momentum 0.9; evaluation every {s['every']} steps; cap "
-                   f"{s['cap_epochs']} epochs ({s['cap_steps']} steps); GPipe M = {res['gpipe_M']} "
-                   f"(step times {', '.join(f'M={m}: {1e3 * t:.1f} ms' for m, t in res['gpipe_M_times'].items())})")
-        rule = (f"target = {FRACTION} x the validation accuracy of a serial pilot run (seed "
-                f"{PILOT_SEED}, {s['pilot_epochs']} epochs: {res['pilot']['val_acc'][-1]:.4f}) = "
-                f"**{res['target']:.4f}**")
-        v = verdict(name, res, sm)
-        body += [f"## {name}", "", setting + ".", "", rule + ".", "",
-                 reporting.markdown_table(
-                     ["method", "seeds at target", "time to target [s] mean (95% CI)",
-                      "steps to target (mean)", "ms per step (median)", "first step [s]",
-                      "final test acc mean (95% CI)"], rows), "", v, "",
-                 f"![accuracy and loss against time]({name}_curves.png)", ""]
-        lines += [f"- {v}"]
-        head.append({"claim": f"time to a fixed validation accuracy, 2 ranks ({name}: N = "
-                              f"{s['layers']}, width {s['width']})",
-                     "ours": "; ".join(f"{k} {_ci(x['time'])} s ({x['reached']}/{x['seeds']})"
-                                       for k, x in sm.items()) + f". Winner: {v.split('**')[1] if '**' in v else '-'}",
-                     "kind": "measured"})
-        plot(out_dir / f"{name}_curves.png", name, res)
-    note = ("Time to target: training wall clock (max over the 2 ranks, evaluation excluded; "
-            "compilation and the bias monitor's checks included) at the first evaluation with "
-            "validation accuracy >= target; mean and Student-t 95% interval over the seeds that "
-            "reached it. Test accuracy: the weights at the stop, reported only. Timings are "
-            "valid only when the header carries no load warning.")
-    reporting.write_table(out_dir / "table.md", "Time to accuracy: serial, data parallel, GPipe, "
-                          "MGRIT on 2 ranks", meta, note + "\n\n" + "\n".join(body))
-    reporting.write_table(out_dir / "summary.md", "Time to accuracy: summary", meta,
-                          "\n".join(lines) + "\n\nTables and curves: table.md.")
-    write_headline(out_dir, head, [meta])
-    doc = {"meta": meta, "args": {k: v for k, v in vars(a).items() if k != "nets"},
-           "rule": {"fraction": FRACTION, "pilot_seed": PILOT_SEED, "n_val": N_VAL,
-                    "compile_block": COMPILE_BLOCK}, "networks": results}
-    (out_dir / "results.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-
-
 def main(argv=None) -> int:
     world = MPI.COMM_WORLD
     fail_fast(world)
@@ -485,7 +363,10 @@ def main(argv=None) -> int:
     log = (lambda msg: print(msg, flush=True)) if world.Get_rank() == 0 else (lambda msg: None)
     results = {name: run_network(name, s, a, data, world, log) for name, s in a.nets.items()}
     if world.Get_rank() == 0:
-        write(a, results, reporting.finish_metadata(meta), out_dir)
+        args = {k: v for k, v in vars(a).items() if k != "nets"}
+        rule = {"fraction": FRACTION, "pilot_seed": PILOT_SEED, "n_val": N_VAL,
+                "compile_block": COMPILE_BLOCK}
+        write(results, reporting.finish_metadata(meta), out_dir, args, rule)
         print(f"[{STUDY}] wrote {out_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
