@@ -36,9 +36,9 @@ Rule, fixed before any reported run (per network):
 Methods: ``serial`` (rank 0 alone, plain PyTorch loop; the other rank sleeps); ``serial
 compiled`` (the same with the residual steps torch.compile'd in blocks of 64, one graph reused;
 both serial variants are reported, none is picked); ``data parallel`` (both ranks, half the
-batch each, :class:`~mgrit.parallel.GradientBuckets`); ``GPipe`` (:class:`~mgrit.perf.baselines.GPipe`
-with :class:`~mgrit.perf.baselines.ModuleStage`, half the layers per rank; its micro-batch
-count M from {1, 2, 4} by the fastest step on a throwaway copy -- M changes no number, only
+batch each, :class:`~mgrit.parallel.GradientBuckets`); ``GPipe``
+(:class:`~mgrit.perf.baselines.GPipe` with :class:`~mgrit.perf.baselines.ModuleStage`, half
+the layers per rank; its micro-batch count M from {1, 2, 4} by the fastest step on a throwaway copy -- M changes no number, only
 the time); ``MGRIT`` (``build_model(..., comm)`` with :class:`layerpar.jobconfig.JobConfig`'s
 defaults -- 3 levels, coarsening factor 4, F,FCF-relaxation, 2 forward / 1 adjoint cycles, warm
 start -- in :class:`~mgrit.training.Trainer` with :class:`~mgrit.training.bias.BiasMonitor`
@@ -46,8 +46,8 @@ start -- in :class:`~mgrit.training.Trainer` with :class:`~mgrit.training.bias.B
 
 Output (``experiments/results/studies/time_to_accuracy/``): ``table.md``, ``summary.md``,
 ``headline.json``, ``results.json`` (every curve of every run, the pilots, the targets, the
-settings, the bias monitor's checks), ``<network>_accuracy.png`` / ``<network>_loss.png``
-(validation accuracy / loss against the training clock, seed 0, target line).
+settings, the bias monitor's checks), ``<network>_curves.png`` (validation accuracy and loss
+against the training clock, every method and seed on the same axes, the target as a line).
 
 Cost: ``--smoke`` (tiny: 1,000 training images, deep N = 64, 1 seed, no compile) about 30 s on
 2 cores; ``--full`` estimated 10-15 minutes on 2 idle cores (the deep network dominates: ~0.1 s
@@ -143,7 +143,8 @@ class Serial:
         self.fwd = self.net
         if compiled:
             mods = list(self.net)
-            blocks = [torch.compile(nn.Sequential(*mods[1 + i:1 + i + COMPILE_BLOCK]))
+            body = mods[1:1 + c.layers]  # [opening, N residual steps, closing]
+            blocks = [torch.compile(nn.Sequential(*body[i:i + COMPILE_BLOCK]))
                       for i in range(0, c.layers, COMPILE_BLOCK)]
             self.fwd = nn.Sequential(mods[0], *blocks, mods[-1])  # same parameters
 
@@ -165,7 +166,8 @@ class DataParallel:
         self.net = build_model("resnet", c, (784,), 10)
         self.opt = sgd(self.net.parameters(), c)
         self.buckets = GradientBuckets(self.net, world)
-        self.rows = torch.tensor_split(torch.arange(c.batch_size), world.Get_size())[world.Get_rank()]
+        rows = torch.tensor_split(torch.arange(c.batch_size), world.Get_size())
+        self.rows = rows[world.Get_rank()]
 
     def step(self, x, y):
         self.buckets.zero_grad()
@@ -186,7 +188,8 @@ class Pipeline:
         self.net = build_model("resnet", c, (784,), 10)
         mods = list(self.net)
         a, e = Partition.even(c.layers, 2).block(self.rank)
-        self.stage = nn.Sequential(*(mods[:1 + min(e, c.layers)] if self.rank == 0 else mods[1 + a:]))
+        mine = mods[:1 + min(e, c.layers)] if self.rank == 0 else mods[1 + a:]
+        self.stage = nn.Sequential(*mine)
         self.opt = sgd(self.stage.parameters(), c)
         self.pipe = GPipe(ModuleStage(self.stage, (784,) if self.rank == 0 else (c.width,),
                                       first=self.rank == 0), world, M)
@@ -209,7 +212,8 @@ class Pipeline:
         self.world.Bcast(flat.numpy(), root=1)
         if self.rank == 0:
             ids = {id(p) for p in mine}
-            nn.utils.vector_to_parameters(flat, [p for p in self.net.parameters() if id(p) not in ids])
+            theirs = [p for p in self.net.parameters() if id(p) not in ids]  # rank 1's, in order
+            nn.utils.vector_to_parameters(flat, theirs)
             return self.net
         return None
 
@@ -235,6 +239,9 @@ class LayerParallel:
 
 
 def make(method, c, world, M=1):
+    """A fresh run of ``method``: torch.compile's in-process caches are cleared first, so every
+    compiled run pays its compilation (inductor's on-disk cache stays, as for a user's next job)."""
+    torch._dynamo.reset()
     if method in ("serial", "serial compiled"):
         return Serial(c, world, compiled=method == "serial compiled")
     if method == "data parallel":
@@ -254,7 +261,8 @@ def evaluate(model, data, world):
         model.eval()
         with torch.no_grad():
             o = model(data[0])
-            out = (float(F.cross_entropy(o, data[1])), float((o.argmax(1) == data[1]).float().mean()))
+            acc = (o.argmax(1) == data[1]).float().mean()
+            out = (float(F.cross_entropy(o, data[1])), float(acc))
         model.train(was)
     return world.bcast(out, root=0)
 
@@ -338,7 +346,8 @@ def run_network(name, s, a, data, world, log):
             curve = train(make(k, c, world, M), train_data, val, test, s["batch"], seed,
                           s["every"], cap, world, target)
             runs[k].append(curve)
-            log(f"[{name}] seed {seed} {k}: {curve['steps'][-1]} steps, {curve['clock'][-1]:.2f} s, "
+            log(f"[{name}] seed {seed} {k}: {curve['steps'][-1]} steps, "
+                f"{curve['clock'][-1]:.2f} s, "
                 f"val acc {curve['val_acc'][-1]:.4f}, test acc {curve['test_acc']:.4f}")
     return {"settings": dict(s, per_epoch=per_epoch, cap_steps=cap, n_train=len(train_data[1]),
                              n_val=len(val[1]), n_test=len(test[1])),
