@@ -189,6 +189,14 @@ def write(results: dict, meta: dict, out_dir: Path, args: dict, rule: dict) -> N
         win, v = verdict(name, sm)
         if "serial compiled" not in sm:
             setting += "; serial compiled: not run (--smoke or --no-compile)"
+        checks = [e for r in res["runs"].get("MGRIT", []) for e in r.get("bias_checks", [])]
+        if checks:
+            ratios = [e["bias"] / e["noise"] for e in checks
+                      if e["noise"] and e["bias"] is not None and e["noise"] is not None]
+            acted = [e for e in checks if e["action"] in ("raise", "serial")]
+            setting += (f"; MGRIT's bias monitor: {len(checks)} checks over all seeds, "
+                        f"bias/noise median {np.median(ratios) if ratios else float('nan'):.3g}, "
+                        f"max {max(ratios, default=float('nan')):.3g}, {len(acted)} action(s)")
         body += [f"## {name}", "", setting + ".", "", how + ".", "",
                  reporting.markdown_table(
                      ["method", "seeds at target", "time to target [s] mean (95% CI)",

@@ -19,40 +19,51 @@ Data: mnist5k's 4,000 training images split into the first 3,500 (training) and 
 Rule, fixed before any reported run (per network):
 
 1. **Target.** A pilot serial (eager) run with seed 1000 (not a reported seed) trains
-   ``pilot_epochs`` epochs; the target is ``0.95 x`` its validation accuracy at the end
-   (:func:`experiments.reports.time_to_target.target_from_pilot`). Stored in the results.
+   ``pilot_epochs`` epochs (3; ``--smoke``: 1); the target is ``0.95 x`` its validation accuracy
+   at the end (:func:`experiments.reports.time_to_target.target_from_pilot`). Stored in the
+   results.
 2. **Runs.** Every method trains the same network (same initial weights and batch order per
-   seed: seeds 0..S-1, the methods interleaved per seed), evaluating validation loss and
-   accuracy every ``every`` steps on the serial-equivalent weights (rank 0, exact serial
-   forward); it stops at the first evaluation at or above the target, or at the cap of
-   ``cap_epochs`` epochs. The training clock is the wall time of the steps (max over the
-   ranks, after a barrier), evaluation and weight gathering excluded; it includes everything
-   else a user pays: torch.compile's compilation in the first steps, the bias monitor's checks.
+   seed: seeds 0..4, the methods interleaved per seed; an epoch is a seeded permutation of the
+   3,500 images in full batches), evaluating validation loss and accuracy every ``every`` steps
+   (10 on ``mainjob``, 9 on ``deep``: about 6-7 evaluations per epoch) on the serial-equivalent
+   weights (rank 0, exact serial forward); it stops at the first evaluation at or above the
+   target, or at the cap of ``cap_epochs`` epochs (6 on ``mainjob``, 5 on ``deep``: more than
+   the pilot's 3 epochs: room for a method that learns slower per step). The training clock is
+   the wall time of the steps (max over the ranks, after a barrier), evaluation and weight
+   gathering excluded; it includes everything else a user pays: torch.compile's compilation in
+   the first steps, the bias monitor's checks.
 3. **Time to target** = the clock at the first evaluation at or above the target
-   (:func:`~experiments.reports.time_to_target.first_crossing`); mean and Student-t 95%
-   interval over the seeds that reached it, with the count. Final test accuracy: the weights
-   at the stop.
+   (:func:`~experiments.reports.time_to_target.first_crossing`); mean and Student-t 95% interval
+   over the seeds that reached it, with the count. Final test accuracy: the weights at the stop.
 
 Methods: ``serial`` (rank 0 alone, plain PyTorch loop; the other rank sleeps); ``serial
 compiled`` (the same with the residual steps torch.compile'd in blocks of 64, one graph reused;
 both serial variants are reported, none is picked); ``data parallel`` (both ranks, half the
 batch each, :class:`~mgrit.parallel.GradientBuckets`); ``GPipe``
-(:class:`~mgrit.perf.baselines.GPipe` with :class:`~mgrit.perf.baselines.ModuleStage`, half
-the layers per rank; its micro-batch count M from {1, 2, 4} by the fastest step on a throwaway copy -- M changes no number, only
-the time); ``MGRIT`` (``build_model(..., comm)`` with :class:`layerpar.jobconfig.JobConfig`'s
-defaults -- 3 levels, coarsening factor 4, F,FCF-relaxation, 2 forward / 1 adjoint cycles, warm
-start -- in :class:`~mgrit.training.Trainer` with :class:`~mgrit.training.bias.BiasMonitor`
-``action="raise"`` and the job's ``--bias-*`` defaults).
+(:class:`~mgrit.perf.baselines.GPipe` with :class:`~mgrit.perf.baselines.ModuleStage`, half the
+layers per rank; its micro-batch count M from {1, 2, 4} by the fastest median of 3 steps on a
+throwaway copy -- M changes no number, only the time); ``MGRIT`` (``build_model(..., comm)``
+with :class:`layerpar.jobconfig.JobConfig`'s defaults -- 3 levels, coarsening factor 4, F,FCF-
+relaxation, 2 forward / 1 adjoint cycles, warm start -- in :class:`~mgrit.training.Trainer` with
+:class:`~mgrit.training.bias.BiasMonitor` ``action="raise"`` and the job's ``--bias-*``
+defaults: a check every 50 steps, ratio 0.5, window 2; ``--smoke`` checks every 10 steps so that
+its short runs check at all). The job's warn-only convergence guard is left out (it changes
+nothing in training).
 
 Output (``experiments/results/studies/time_to_accuracy/``): ``table.md``, ``summary.md``,
 ``headline.json``, ``results.json`` (every curve of every run, the pilots, the targets, the
 settings, the bias monitor's checks), ``<network>_curves.png`` (validation accuracy and loss
 against the training clock, every method and seed on the same axes, the target as a line).
 
-Cost: ``--smoke`` (tiny: 1,000 training images, deep N = 64, 1 seed, no compile) about 30 s on
-2 cores; ``--full`` estimated 10-15 minutes on 2 idle cores (the deep network dominates: ~0.1 s
-per eager serial step, about 2 epochs to the target, 5 methods x 3 seeds, ~25 s of compilation
-per compiled run; the main-job network ~5 s per seed for all methods).
+Cost: ``--smoke`` (1,000 training images, deep N = 64, 1 seed, no compile): 34 s of work plus
+about 40 s of start-up measured at a load average of 12 on 2 cores; expect ~15 s on 2 idle
+cores. ``--full``: **estimated ~7 minutes on 2 idle cores, at most ~13** (not run here).
+Estimate: ``deep`` dominates -- from plan_validation.md's step times (N = 4096: serial 0.41 s,
+data parallel 0.43 s, GPipe 0.37 s) scaled to N = 1024, ~0.1 s per eager step, MGRIT at about
+half of that (measured here under load: 0.43 s vs 0.80 s serial), ~100 steps to the target,
+~20 s of compilation per compiled run: ~60 s per seed for the five methods, 5 seeds and the
+pilot ~5.5 min; ``mainjob`` (3.5-6 ms per step, ~70 steps) ~15 s per seed, most of it
+compilation, ~1.3 min. At most ~13 min if every method ran to its cap.
 """
 from __future__ import annotations
 
@@ -91,10 +102,12 @@ PILOT_SEED, FRACTION, N_VAL, COMPILE_BLOCK = 1000, 0.95, 500, 64
 #: name -> layers, width, batch, seeds, pilot epochs, cap epochs, evaluation every k steps
 FULL = {"mainjob": dict(layers=32, width=32, batch=50, seeds=5, pilot_epochs=3, cap_epochs=6,
                         every=10),
-        "deep": dict(layers=1024, width=8, batch=64, seeds=5, pilot_epochs=2, cap_epochs=5,
+        "deep": dict(layers=1024, width=8, batch=64, seeds=5, pilot_epochs=3, cap_epochs=5,
                      every=9)}
-SMOKE = {"mainjob": dict(FULL["mainjob"], seeds=1, pilot_epochs=1, cap_epochs=2, every=5),
-         "deep": dict(FULL["deep"], layers=64, seeds=1, pilot_epochs=1, cap_epochs=2, every=5)}
+SMOKE = {"mainjob": dict(FULL["mainjob"], seeds=1, pilot_epochs=1, cap_epochs=2, every=5,
+                         bias_every=10),
+         "deep": dict(FULL["deep"], layers=64, seeds=1, pilot_epochs=1, cap_epochs=2, every=5,
+                      bias_every=10)}
 
 
 def parse(argv=None):
@@ -123,7 +136,12 @@ def load(limit: int):
 
 
 def config(s, seed: int) -> JobConfig:
-    return JobConfig(layers=s["layers"], width=s["width"], batch_size=s["batch"], seed=seed)
+    """The main job's settings with this network's sizes (``--smoke``: bias checks every 10
+    steps so that its short runs check at all; else the job's default, 50)."""
+    c = JobConfig(layers=s["layers"], width=s["width"], batch_size=s["batch"], seed=seed)
+    if "bias_every" in s:
+        c.bias_every = s["bias_every"]
+    return c
 
 
 def sgd(params, c: JobConfig):
@@ -304,6 +322,7 @@ def train(m, train_data, val, test, B, seed, every, cap, world, target=None):
     curve["first_step_s"] = world.allreduce(first, op=MPI.MAX)
     curve["test_loss"], curve["test_acc"] = evaluate(m.model(), test, world)
     if isinstance(m, LayerParallel):
+        curve["warm_start"] = bool(m.net.segments[0].warm_start)
         curve["bias_checks"] = [{k: e[k] for k in ("step", "bias", "noise", "action", "options")}
                                 for e in m.monitor.events]
     return curve

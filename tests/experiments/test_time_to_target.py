@@ -118,3 +118,5 @@ def test_smoke_run_writes_its_record(tmp_path_factory):
             assert other["val_loss"] == pytest.approx(ser["val_loss"], rel=1e-3), (name, k)
         mg = res["runs"]["MGRIT"][0]
         assert mg["val_loss"][-1] == pytest.approx(ser["val_loss"][-1], rel=0.1), name
+        assert mg["bias_checks"] and all(e["noise"] > 0 for e in mg["bias_checks"]), name
+        assert f"{len(mg['bias_checks'])} checks over all seeds" in table
