@@ -325,6 +325,7 @@ def train(m, train_data, val, test, B, seed, every, cap, world, target=None):
         curve["warm_start"] = bool(m.net.segments[0].warm_start)
         curve["bias_checks"] = [{k: e[k] for k in ("step", "bias", "noise", "action", "options")}
                                 for e in m.monitor.events]
+        m.grid.free()  # the run's sub-communicators
     return curve
 
 
