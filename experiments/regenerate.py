@@ -154,6 +154,10 @@ REGISTRY: tuple[Entry, ...] = (
     # modeled strong/weak curves to P = 256 (full ~3 min on 2 idle cores, estimate)
     Entry("scaling_replay", "experiments/studies/scaling_replay.py", None, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "h24a (issue 24)"),
+    # issue 24 item 1: time to a fixed validation accuracy, serial (eager, compiled), data
+    # parallel, GPipe, MGRIT with the bias monitor, 2 ranks, 5 seeds (task hT)
+    Entry("time_to_accuracy", "experiments/studies/time_to_accuracy.py", 2,
+          ("--full", "--out", "{out}"), ("--smoke", "--out", "{out}"), "mixed", "hT (issue 24)"),
 )
 
 
