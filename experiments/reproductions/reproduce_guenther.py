@@ -83,9 +83,16 @@ def parse_args(argv=None):
     p.add_argument("--history", type=int, default=10, help="L-BFGS pairs")
     p.add_argument("--methods", default="serial,simultaneous",
                    help="comma list of serial, simultaneous")
-    p.add_argument("--model-ranks", default=None,
-                   help="comma list of rank counts P for the modeled time "
-                        "(default: this run's P and N/4, N/2 where >= P)")
+    p.add_argument("--model-ranks", default="2,8,32,128,512",
+                   help="comma list of rank counts P of the modeled extrapolation")
+    p.add_argument("--timing-depths", type=int, nargs="+", default=None,
+                   help="depths whose evaluation is timed at P = 1 and the world size (default: "
+                        "--layers and 1024; --smoke: --layers and 64); the model is extrapolated "
+                        "at these depths only")
+    p.add_argument("--timing-reps", type=int, default=None,
+                   help="interleaved timed evaluations per method (default 10; --smoke 3)")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="repeated calibrations of the cost model (the extrapolations' spread)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild table.md, summary.md, plots from results.h5 without running")
     p.add_argument("--seeds", type=int, default=None,
@@ -103,6 +110,8 @@ def parse_args(argv=None):
     if a.smoke:
         a.val = min(a.val, 100)
     a.seeds = a.seeds or (2 if a.smoke else 5)
+    a.timing_depths = sorted(set(a.timing_depths or [a.layers, 64 if a.smoke else 1024]))
+    a.timing_reps = a.timing_reps or (3 if a.smoke else 10)
     return a
 
 
@@ -124,7 +133,7 @@ from data.peaks import make_peaks  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.nn.chains import AdjointChain, ForwardChain  # noqa: E402
 from experiments.reports.study_parts import write_part  # noqa: E402
-from experiments.reproductions import guenther_report  # noqa: E402
+from experiments.reproductions import guenther_report, guenther_timing  # noqa: E402
 from experiments.reproductions.guenther_problem import Problem, lbfgs_armijo  # noqa: E402
 from mgrit.nn import DenseStep  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
@@ -175,6 +184,40 @@ def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
     tf = _mgrit_critical_path(N, P, fw_opts, K, fwd, nbytes)
     tb = _mgrit_critical_path(N, P, bw_opts, K, adj, nbytes)
     return tf + tb + math.ceil(N / P) * adj.single
+
+
+def timing_part(args, comm, data, costs_list):
+    """The ``timing`` part of ``results.h5`` (``guenther_timing``): measured seconds per
+    evaluation (median, IQR, min-max) per ``(P, N, method)``, the simultaneous evaluation's
+    gradient error, and the cost model per calibration at the measured points and the
+    extrapolation's ``(N, P)``; raw per-repeat times in ``timing.raw.json``."""
+    samples, gerr = guenther_timing.measure(args, comm, data, args.timing_depths, args.timing_reps)
+    if comm.Get_rank() != 0:
+        return
+    o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor, min_coarse=args.min_coarse,
+                     relax=["F", "FCF"], tol=0, max_iter=args.mgrit_iters)
+    qs = sorted({int(v) for v in args.model_ranks.split(",")} | {1, comm.Get_size()})
+    points = [(n, q) for n in args.timing_depths for q in qs if q <= n]
+    model = guenther_timing.model_rows(args, costs_list, points, (o, o), modeled_time)
+    rows = []
+    for key, v in samples.items():
+        P, N, m = key.split("/")
+        sp = reporting.spread(v)
+        rows.append((int(P[2:]), int(N[2:]), guenther_timing.METHODS.index(m), sp["median"],
+                     sp["q1"], sp["q3"], sp["min"], sp["max"]))
+    series = {f"meas_{k}": [r[i] for r in rows] for i, k in enumerate(
+        ("P", "N", "method", "median", "q1", "q3", "min", "max"))}
+    series.update({f"gerr_{k}": [g[i] for g in gerr] for i, k in enumerate(("P", "N", "value"))})
+    series.update({f"model_{k}": [r[i] for r in model] for i, k in enumerate(
+        ("cal", "N", "P", "serial", "simultaneous"))})
+    meta = reporting.run_metadata(world_size=comm.Get_size())
+    meta.update(methods=list(guenther_timing.METHODS), reps=args.timing_reps,
+                mgrit_iters=args.mgrit_iters, train_points=args.train,
+                calibrated_tau=[{"fwd": [c[0].single, c[0].call, c[0].item],
+                                 "adj": [c[1].single, c[1].call, c[1].item]} for c in costs_list])
+    outdir = reporting.results_dir(STUDY, args.out or OUT)
+    reporting.write_raw(outdir / "timing.raw.json", samples, meta)
+    write_part(outdir / "results.h5", "timing", series, meta)
 
 
 # ---------------------------------------------------------------------------- main
@@ -239,17 +282,12 @@ def main(argv=None):
     for m in methods:
         if m not in ("serial", "simultaneous"):
             raise SystemExit(f"unknown method {m!r}: use serial, simultaneous")
-    costs = None
+    costs_list = None
     if rank == 0:
-        fwd, adj = calibrate(args.width, args.train, reps=3 if args.smoke else 5)
-        costs = (fwd, adj, args.train * args.width * 8)
-    costs = comm.bcast(costs, root=0)
-    N = args.layers
-    if args.model_ranks:
-        model_P = sorted({int(v) for v in args.model_ranks.split(",")})
-    else:
-        model_P = sorted({P} | {q for q in (N // 4, N // 2) if q >= P})
-    model_P = [q for q in model_P if 1 <= q <= N]
+        costs_list = [(*calibrate(args.width, args.train, reps=3 if args.smoke else 5),
+                       args.train * args.width * 8) for _ in range(args.calibrations)]
+    costs_list = comm.bcast(costs_list, root=0)
+    costs = costs_list[0]
     series, levels, opts = {}, 0, {}
     for seed in range(args.seeds):
         for method in methods:
@@ -257,23 +295,10 @@ def main(argv=None):
             levels = max(levels, lv)
             for k, v in rec.items():
                 series[f"seed{seed}/{method}/{k}"] = v
+    if "serial" in methods and "simultaneous" in methods:
+        timing_part(args, comm, data, costs_list)
     if rank != 0:
         return
-    per_eval = {m: [modeled_time(N, q, *opts[m], args.mgrit_iters, costs, m == "serial")
-                    for q in model_P] for m in methods}
-    series.update({f"model/{m}/per_eval": v for m, v in per_eval.items()})
-    series["model/P"] = model_P
-    sc = []
-    if "serial" in methods and "simultaneous" in methods:
-        o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor,
-                         min_coarse=args.min_coarse, relax=["F", "FCF"], tol=0,
-                         max_iter=args.mgrit_iters)
-        for n_model in sorted({N, 1024}):
-            for q in (2, 8, 32, 128, 512):
-                if q <= n_model:
-                    sc.append([n_model, q, modeled_time(n_model, q, o, o, args.mgrit_iters, costs, True),
-                               modeled_time(n_model, q, o, o, args.mgrit_iters, costs, False)])
-    series["model/scaling"] = np.array(sc, dtype=float).reshape(-1, 4)
     meta = reporting.run_metadata(world_size=P)
     meta.update({f"setting_{k}": v for k, v in vars(args).items()})
     meta.update(methods=methods, levels=levels, paper=PAPER,
