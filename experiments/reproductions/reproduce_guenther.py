@@ -135,7 +135,7 @@ from mgrit.nn.chains import AdjointChain, ForwardChain  # noqa: E402
 from experiments.reports.study_parts import write_part  # noqa: E402
 from experiments.reproductions import guenther_report, guenther_timing  # noqa: E402
 from experiments.reproductions.guenther_problem import Problem, lbfgs_armijo  # noqa: E402
-from mgrit.nn import DenseStep  # noqa: E402
+from mgrit.nn import DenseStep, ResidualStep  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 
 
@@ -165,22 +165,50 @@ def calibrate(width, batch, reps=5):
     return fwd, adj
 
 
+def calibrate_serial(width, batch, reps=5):
+    """Seconds per residual layer of the SERIAL evaluation's own code path: forward + autograd
+    backward through ``ResidualStep(DenseStep)`` modules (what 1-level training runs; the
+    propagator kernels of :func:`calibrate` are not on that path), median over ``reps`` runs of
+    a separate 64-layer chain (not a network that is timed in the study)."""
+    torch.manual_seed(1)
+    n = 64
+    net = torch.nn.Sequential(*[ResidualStep(DenseStep(width, "smoothrelu"), 1.0 / n)
+                                for _ in range(n)])
+    x = torch.randn(batch, width)
+
+    def run():
+        net.zero_grad(set_to_none=True)
+        net(x).sum().backward()
+
+    run()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / n
+
+
 def _mgrit_critical_path(N, P, opts, K, tau, nbytes):
     """Critical path of one fixed-iteration MGRIT solve: ``mgrit.perf.simulate`` (a replay of
     the solver's control flow) with the default :class:`mgrit.perf.CommCost`."""
     return perf.simulate(N, P, opts, K, None, tau, perf.CommCost(), nbytes).critical_path
 
 
-def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
+def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial, kernels=False):
     """Modeled seconds of one evaluation (forward + backward), critical path.
 
-    serial: ``N (tau_f + tau_b) + 2 (P - 1) beta`` (notes' cost model, blocking chain).
+    serial: ``N tau_serial + 2 (P - 1) beta`` (blocking chain) with ``tau_serial`` the
+    serial path's own forward + backward per layer (:func:`calibrate_serial`, the 4th entry of
+    ``costs``); with 3 entries (or ``kernels=True``) the notes' ``tau_f + tau_b`` of the
+    propagator kernels, which the serial path does not run (the model before issue 24).
     Simultaneous: MGRIT forward (K cycles) + adjoint (K cycles) critical paths
     (:func:`_mgrit_critical_path`) plus the parameter-gradient sweep ``ceil(N/P) tau_b``;
     default :class:`mgrit.perf.CommCost` (5 us, 5 GB/s), one state per message."""
-    fwd, adj, nbytes = costs
+    fwd, adj, nbytes = costs[:3]
     if serial:
-        return N * (fwd.single + adj.single) + 2 * (P - 1) * perf.CommCost().message(nbytes)
+        tau = fwd.single + adj.single if kernels or len(costs) < 4 else costs[3]
+        return N * tau + 2 * (P - 1) * perf.CommCost().message(nbytes)
     tf = _mgrit_critical_path(N, P, fw_opts, K, fwd, nbytes)
     tb = _mgrit_critical_path(N, P, bw_opts, K, adj, nbytes)
     return tf + tb + math.ceil(N / P) * adj.single
@@ -209,12 +237,13 @@ def timing_part(args, comm, data, costs_list):
         ("P", "N", "method", "median", "q1", "q3", "min", "max"))}
     series.update({f"gerr_{k}": [g[i] for g in gerr] for i, k in enumerate(("P", "N", "value"))})
     series.update({f"model_{k}": [r[i] for r in model] for i, k in enumerate(
-        ("cal", "N", "P", "serial", "simultaneous"))})
+        ("cal", "N", "P", "serial", "simultaneous", "serial_kernels"))})
     meta = reporting.run_metadata(world_size=comm.Get_size())
     meta.update(methods=list(guenther_timing.METHODS), reps=args.timing_reps,
                 mgrit_iters=args.mgrit_iters, train_points=args.train,
                 calibrated_tau=[{"fwd": [c[0].single, c[0].call, c[0].item],
-                                 "adj": [c[1].single, c[1].call, c[1].item]} for c in costs_list])
+                                 "adj": [c[1].single, c[1].call, c[1].item],
+                                 "serial_layer": c[3]} for c in costs_list])
     outdir = reporting.results_dir(STUDY, args.out or OUT)
     reporting.write_raw(outdir / "timing.raw.json", samples, meta)
     write_part(outdir / "results.h5", "timing", series, meta)
@@ -284,8 +313,10 @@ def main(argv=None):
             raise SystemExit(f"unknown method {m!r}: use serial, simultaneous")
     costs_list = None
     if rank == 0:
-        costs_list = [(*calibrate(args.width, args.train, reps=3 if args.smoke else 5),
-                       args.train * args.width * 8) for _ in range(args.calibrations)]
+        reps = 3 if args.smoke else 5
+        costs_list = [(*calibrate(args.width, args.train, reps=reps), args.train * args.width * 8,
+                       calibrate_serial(args.width, args.train, reps=reps))
+                      for _ in range(args.calibrations)]
     costs_list = comm.bcast(costs_list, root=0)
     costs = costs_list[0]
     series, levels, opts = {}, 0, {}
