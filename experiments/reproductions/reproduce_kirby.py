@@ -23,12 +23,29 @@ Two parts (``--part``; each replaces only its own group of ``results.h5``, then 
   Records test accuracy of the serial net, of the MGRIT-trained net evaluated with its inexact
   MGRIT forward and with the exact forward, the relative output error of the MGRIT forward, and
   the forward residuals. Not timing-sensitive: valid on a loaded machine.
-* ``timing``: forward wall time of MGRIT (batched and looped relaxation) and the blocking chain
-  at P = 1 and P = world size (interleaved); and two MODELS (``mgrit.perf.simulate``, a replay
-  of the solver's control flow): the *count model* (critical path counted in step applications,
-  a batched call over B intervals counted as ONE step, messages free -- no measured cost in it;
-  Kirby's CUDA streams in the ideal limit) and the *CPU-calibrated model* (step costs measured
-  here, messages 5 us + bytes / 5 GB/s). Timing-sensitive: refresh on a quiet machine.
+* ``timing`` (``kirby_timing``): wall times at P = 1 and the world size, ``--reps`` (``--full``:
+  10) interleaved repeats, median with IQR, raw per-repeat numbers in ``timing.raw.json``: the
+  forward of MGRIT (batched; looped relaxation up to ``--loop-max`` = 1024, beyond which it is
+  4x slower than batched in the earlier records), the blocking chain and, on one rank, plain
+  ``nn.Sequential`` and ``torch.compile`` (the strongest baseline is the fastest of these; at
+  batch 1 there is no data parallelism); the training step (forward + backward) at
+  ``--train-depths`` of the chain, Kirby's own variant (MGRIT forward + serial adjoint, with
+  its relative gradient error against exact backprop beside its time), ``nn.Sequential`` and
+  compiled. Then ``--calibrations`` (3) calibrations of the CPU model (``mgrit.perf.simulate``
+  with step costs measured here and the ping-pong measured here): its predicted/measured ratio
+  at every measured point and the min-max over calibrations of every extrapolated number
+  (``model_check``; a model off by more than 25% is flagged NOT validated and its
+  extrapolations are not results). The *count model* (critical path counted in step
+  applications, a batched call over B intervals counted as ONE step, messages free -- no
+  measured cost in it; Kirby's CUDA streams in the ideal limit) is written by every run, with
+  its error at the measured points. Timing-sensitive: refresh on a quiet machine.
+
+Run time of ``--full`` on 2 idle cores (estimate): the earlier record took 396 s, of which the
+timing part ~40 s; the new timing part is ~11 rounds x ~7 s (forward variants at N = 128..4096
+on 1 and 2 ranks, training steps at N = 1024 and 4096) + ~60 s for inductor to compile the
+16-layer block once (131 s measured on a machine at load 10) + ~15 s of network builds and 3
+calibrations: about 8.5 minutes in all. ``--smoke`` (aot_eager instead of inductor): ~45 s on a
+loaded machine.
 """
 from __future__ import annotations
 
