@@ -6,32 +6,105 @@ spread and raw per-repeat numbers (``timing.raw.json``), the gradient error of t
 (``reproduce_guenther.modeled_time``): its error at every measured point and the spread of every
 extrapolated number over the calibrations (``model_check``).
 
-Serial here is the library's exact path (1-level MGRIT = sequential stepping across the ranks);
-the objective's full batch of 5,000 points is what data parallelism would split, which Günther's
-method does not do: no data-parallel row (the paper compares with serial training only)."""
+Methods: ``serial`` (the library's exact path: 1-level MGRIT = sequential stepping across the
+ranks), ``simultaneous`` (Günther's inexact evaluation), and the exact baselines a user has:
+``compiled`` (the same objective with the residual stack under ``torch.compile``, blocks of
+layers with the weights as inputs; one graph for every depth) on one rank, and at P > 1
+``data_parallel`` / ``compiled_dp`` (each rank evaluates the serial / compiled objective on its
+share of the full batch, then one allreduce of the gradient). The compiled objective is checked
+against the serial one (relative gradient difference <= 1e-8, float64) before it is timed."""
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from mpi4py import MPI
 
 from experiments.reproductions import model_check as mc
 from experiments.reproductions.guenther_problem import Problem
+from mgrit.nn import SmoothReLU
 from mgrit.training import report as reporting
 
-METHODS = ("serial", "simultaneous")
+METHODS = ("serial", "simultaneous", "compiled", "data_parallel", "compiled_dp")
+LAYER_METHODS = METHODS[:2]  # layer-parallel over the ranks; the others: 1 rank or data parallel
 
 
-def measure(args, world, data, depths, reps):
+def block_size(depths) -> int:
+    """Layers per compiled graph: the largest divisor <= 16 of every depth (one graph for all)."""
+    return max(d for d in range(1, 17) if all(n % d == 0 for n in depths))
+
+
+def _block(u, W, b, h, eps):
+    """Residual layers ``u + h SmoothReLU(W u + b)`` (:class:`mgrit.nn.SmoothReLU`'s formula)."""
+    for w, c in zip(W, b):
+        z = F.linear(u, w, c)
+        act = torch.where(z >= eps, z, torch.where(z <= -eps, torch.zeros_like(z),
+                                                   (z + eps) ** 2 / (4 * eps)))
+        u = u + h * act
+    return u
+
+
+def compiled_objective(prob, block: int, backend: str = "inductor"):
+    """``fn(x, y) -> (J, local flat gradient)``: ``prob``'s objective (a 1-rank ``Problem``)
+    with its residual stack compiled in graphs of ``block`` layers (weights as inputs); the
+    opening, closing, loss and regularization as in ``Problem.evaluate`` (``_checked_compile``
+    compares the two before use)."""
+    a, steps = prob.args, prob.resnet.steps
+    if not all(isinstance(st.act, SmoothReLU) for st in steps):
+        raise ValueError("compiled_objective: the study's steps use SmoothReLU")
+    W = [st.linear.weight for st in steps]
+    b = [st.linear.bias for st in steps]
+    # h and eps as tensors: one graph for every depth (a float closure would be a guard)
+    h = torch.tensor(prob.h)
+    eps = torch.tensor(steps[0].act.eps)
+    cf = torch.compile(_block, backend=backend, dynamic=False)
+
+    def fn(x, y):
+        for p in prob.params:
+            p.grad = None
+        u = prob.net.opening(x)
+        for i in range(0, len(W), block):
+            u = cf(u, W[i:i + block], b[i:i + block], h, eps)
+        ce = F.cross_entropy(prob.net.closing(u), y)
+        reg = 0.5 * a.gamma_tik * sum(p.pow(2).sum() for p in prob.open_params)
+        reg = reg + 0.5 * a.gamma_tik * sum(p.pow(2).sum() for ps in prob.step_params for p in ps)
+        reg = reg + 0.5 * a.gamma_class * sum(p.pow(2).sum() for p in prob.close_params)
+        ddt, _ = prob._ddt()
+        total = ce + reg + ddt
+        total.backward()
+        return float(total.detach()), prob.grad_flat()
+    return fn
+
+
+def _checked_compile(prob, block, x, y, backend):
+    from mgrit.perf.lean import COMPILE_ERRORS
+    t0 = time.perf_counter()
+    try:
+        fn = compiled_objective(prob, block, backend)
+        _, g = fn(x, y)
+    except COMPILE_ERRORS as e:
+        return None, f"does not compile here: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    _, ref = prob.evaluate(x, y)
+    err = float((g - ref).norm() / ref.norm())
+    if not err <= 1e-8:
+        return None, f"compiled objective differs from the serial one (relative {err:.1e}): not used"
+    return fn, f"{backend}, blocks of {block} layers, compiled in {time.perf_counter() - t0:.0f} s"
+
+
+def measure(args, world, data, depths, reps, backend="inductor"):
     """Per ``(P, N)``: wall seconds (max over ranks) of ``reps`` evaluations per method,
     interleaved (one untimed warm-up each), and the relative gradient error of the first
     (cold-start) simultaneous evaluation against the serial one at the same weights. Returns
-    ``(samples {"P=../N=../method": [s]}, gerr [(P, N, error)])``; all ranks in ``world``."""
+    ``(samples {"P=../N=../method": [s]}, gerr [(P, N, error)], notes)``; all ranks in
+    ``world`` call it. ``backend`` '' skips the compiled baselines."""
     xtr, ytr = data[0], data[1]
     rank, W = world.Get_rank(), world.Get_size()
-    samples, gerr = {}, []
+    samples, gerr, notes = {}, [], {}
+    block = block_size(depths)
     for P in sorted({1, W}):
         sub = world.Split(0 if rank < P else MPI.UNDEFINED, rank)
         if sub != MPI.COMM_NULL:
@@ -40,22 +113,42 @@ def measure(args, world, data, depths, reps):
                     continue
                 a = copy.copy(args)
                 a.layers, a.seed = N, 0
-                probs = {m: Problem(a, sub, m) for m in METHODS}
+                probs = {m: Problem(a, sub, m) for m in LAYER_METHODS}
                 g = {m: p.evaluate(xtr, ytr)[1] for m, p in probs.items()}  # also the warm-up
                 d = g["simultaneous"] - g["serial"]
                 ps = probs["serial"]
-                gerr.append((P, N, float(np.sqrt(ps.dot(d, d) / ps.dot(g["serial"], g["serial"])))))
-                t = {m: [] for m in METHODS}
-                for _ in range(reps):
-                    for m, p in probs.items():
+                gerr.append((P, N, float(math.sqrt(ps.dot(d, d) / ps.dot(g["serial"], g["serial"])))))
+                fns = {m: (lambda p=p: p.evaluate(xtr, ytr)) for m, p in probs.items()}
+                # exact baselines on one rank each: the whole batch (P = 1) or its share (P > 1)
+                own = Problem(a, MPI.COMM_SELF, "serial")
+                xs, ys = (xtr, ytr) if P == 1 else (xtr[rank::P], ytr[rank::P])
+                base = {"serial" if P == 1 else "data_parallel": own.evaluate}
+                if backend:
+                    cfn, notes[f"P={P} N={N}"] = _checked_compile(own, block, xs, ys, backend)
+                    if cfn is not None:
+                        base["compiled" if P == 1 else "compiled_dp"] = cfn
+                for m, f in base.items():
+                    if P == 1 and m == "serial":
+                        continue  # the library's serial path on 1 rank is already timed
+
+                    def step(f=f):
+                        _, gl = f(xs, ys)
+                        if P > 1:
+                            sub.Allreduce(MPI.IN_PLACE, gl.numpy(), op=MPI.SUM)
+                    fns[m] = step
+                t = {m: [] for m in fns}
+                for i in range(reps + 1):
+                    for m, f in fns.items():
                         sub.Barrier()
                         t0 = time.perf_counter()
-                        p.evaluate(xtr, ytr)
-                        t[m].append(sub.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                        f()
+                        dt = sub.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                        if i:  # round 0: warm-up
+                            t[m].append(dt)
                 samples.update({f"P={P}/N={N}/{m}": v for m, v in t.items()})
             sub.Free()
         world.Barrier()
-    return samples, gerr
+    return samples, gerr, notes
 
 
 def model_rows(args, costs_list, points, fw_bw, modeled_time):
@@ -100,8 +193,17 @@ class Timing:
         return float(self.rows[(P, N, m)][0]) if (P, N, m) in self.rows else float("nan")
 
     def spread(self, P, N, m):
+        if (P, N, m) not in self.rows:
+            return "-"
         med, q1, q3, lo, hi = (1e3 * x for x in self.rows[(P, N, m)])
         return f"{med:.1f} [{q1:.1f}-{q3:.1f}]"
+
+    def strongest(self, P, N):
+        """Fastest exact way to evaluate at depth N with P ranks (the 1-rank ones included)."""
+        c = [(self.t(q, N, m), m + ("" if q == P else " (1 rank)"))
+             for q, m in ((P, "serial"), (1, "serial"), (1, "compiled"), (P, "data_parallel"),
+                          (P, "compiled_dp")) if np.isfinite(self.t(q, N, m))]
+        return min(c) if c else (float("nan"), "-")
 
     def speedup(self, N, P):
         """Modeled serial / simultaneous per calibration."""
@@ -126,9 +228,11 @@ class Timing:
 
 def report_body(s, meta):
     T = Timing(s, meta)
-    rows = [[P, N, T.spread(P, N, "serial"), T.spread(P, N, "simultaneous"),
-             f"{T.gerr.get((P, N), float('nan')):.2e}",
-             f"{T.t(P, N, 'serial') / T.t(P, N, 'simultaneous'):.2f}x"]
+    rows = [[P, N] + [T.spread(P, N, m) for m in METHODS]
+            + [f"{T.gerr.get((P, N), float('nan')):.2e}",
+               f"{T.t(P, N, 'serial') / T.t(P, N, 'simultaneous'):.2f}x",
+               "{:.2f}x ({})".format(T.strongest(P, N)[0] / T.t(P, N, "simultaneous"),
+                                     T.strongest(P, N)[1])]
             for P in T.P for N in T.N if (P, N, "serial") in T.rows]
     L = ["## Time per evaluation (MEASURED; timing part)", "",
          f"One objective evaluation (forward + gradient, full batch of {meta['train_points']} "
@@ -137,9 +241,15 @@ def report_body(s, meta):
          f"{meta['loadavg']}). serial = exact sequential stepping; simultaneous = "
          f"{meta['mgrit_iters']} MGRIT iterations forward and adjoint, an INEXACT gradient: "
          "gradient error = ||g - g_exact|| / ||g_exact|| of the first (cold-start) evaluation at "
-         "the initial weights (seed 0); in training the warm start makes it smaller.", "",
-         reporting.markdown_table(["P", "N", "serial", "simultaneous", "simultaneous gradient error",
-                                   "speedup (serial / simultaneous)"], rows), "",
+         "the initial weights (seed 0); in training the warm start makes it smaller. Exact "
+         "baselines: compiled = the objective with the residual stack under torch.compile "
+         "(1 rank); data parallel / compiled DP = each rank evaluates its share of the batch, "
+         "then one allreduce of the gradient. Compile: "
+         + "; ".join(f"{k}: {v}" for k, v in meta.get("compile", {}).items()) + ".", "",
+         reporting.markdown_table(["P", "N", "serial", "simultaneous", "compiled (1 rank)",
+                                   "data parallel", "compiled DP", "simultaneous gradient error",
+                                   "simultaneous vs serial", "simultaneous vs strongest (which)"],
+                                  rows), "",
          "## Cost model at the measured points", "",
          f"{len(meta['calibrated_tau'])} independent calibrations of the step costs; "
          "predicted/measured (median prediction over the calibrations); validated = within "
@@ -179,13 +289,20 @@ def summary_lines(s, meta):
                      if (Pw, N, "serial") in T.rows)
     lose = all(T.t(Pw, N, "serial") < T.t(Pw, N, "simultaneous") for N in T.N
                if (Pw, N, "serial") in T.rows)
+    strong = "; ".join("N = {}: {:.2f}x ({})".format(
+        N, T.strongest(Pw, N)[0] / T.t(Pw, N, "simultaneous"), T.strongest(Pw, N)[1])
+        for N in T.N if (Pw, N, "serial") in T.rows)
+    lose_all = all(T.strongest(Pw, N)[0] < T.t(Pw, N, "simultaneous") for N in T.N
+                   if (Pw, N, "serial") in T.rows)
     N, P, e = _extrapolation(T)
     ok = all(mc.validated(T.errors(n, "speedup")) for n in T.N)
     return ["", f"**Speed, measured (P = {Pw}, load average {meta['loadavg']}).** Serial / "
             f"simultaneous time per evaluation: {meas}."
             + (" **Simultaneous training is slower than serial at every measured point.**"
-               if lose else ""), "",
-            f"**Speed, MODELED at P = {P}, N = {N}.** "
+               if lose else "") + f" Against the strongest exact baseline: {strong}."
+            + (" **We lose against it at every measured depth.**" if lose_all else ""), "",
+            f"**Speed, MODELED at P = {P}, N = {N}** (simultaneous vs the serial path; data "
+            "parallelism and compile are not in the model). "
             + mc.modeled_text(T.speedup(N, P), e) + ". "
             + ("The cost model is within the tolerance at the measured points."
                if ok else "**The cost model misses the measured points by more than "

@@ -40,10 +40,12 @@ results (``model_check``). The serial evaluation's cost is calibrated on its own
 (``calibrate_serial``, a separate 64-layer chain, not a timed network); the kernel-cost model
 used before (6-8x off at the measured points in smoke runs) is kept beside it with its error.
 
-Run time of ``--full`` on 2 idle cores: ~150 s of training (5 seeds x 2 methods x 130
-iterations, as before) + ~45 s timing part (N = 256: ~1.3 s per round at P = 2, ~2 s at P = 1,
-11 rounds) + ~10 s for 3 calibrations: about 3.5 minutes (estimate from the previous record's
-153 s and the per-evaluation times; the smoke mode takes ~35 s on a loaded machine).
+Run time of ``--full`` on 2 idle cores (estimate): ~150 s of training (5 seeds x 2 methods x
+130 iterations, as the previous record's 153 s in all) + ~60 s timing part (N = 256: ~1.3 s per
+round of the layer-parallel methods at P = 2, ~2 s at P = 1, ~0.6 s of compiled and
+data-parallel baselines, 11 rounds) + ~40 s for inductor to compile the 2-layer block (full and
+half batch) + ~10 s for 3 calibrations: about 4.5 minutes. ``--smoke`` (eager backend): ~35 s
+of CPU per rank.
 
 Seeds: ``--seeds S`` runs both methods from S initializations (weight seeds 0..S-1, the same
 Peaks data, ``--data-seed``); the tables give mean +- std over the seeds. The paper publishes no
@@ -109,6 +111,9 @@ def parse_args(argv=None):
                    help="interleaved timed evaluations per method (default 10; --smoke 3)")
     p.add_argument("--calibrations", type=int, default=3,
                    help="repeated calibrations of the cost model (the extrapolations' spread)")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of the compiled baselines ('' = none; default "
+                        "inductor, --smoke eager: dynamo without a compiler)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild table.md, summary.md, plots from results.h5 without running")
     p.add_argument("--seeds", type=int, default=None,
@@ -128,6 +133,8 @@ def parse_args(argv=None):
     a.seeds = a.seeds or (2 if a.smoke else 5)
     a.timing_depths = sorted(set(a.timing_depths or ([a.layers] if a.smoke else [a.layers, 256])))
     a.timing_reps = a.timing_reps or (3 if a.smoke else 10)
+    if a.compile_backend is None:
+        a.compile_backend = "eager" if a.smoke else "inductor"
     return a
 
 
@@ -235,7 +242,8 @@ def timing_part(args, comm, data, costs_list):
     evaluation (median, IQR, min-max) per ``(P, N, method)``, the simultaneous evaluation's
     gradient error, and the cost model per calibration at the measured points and the
     extrapolation's ``(N, P)``; raw per-repeat times in ``timing.raw.json``."""
-    samples, gerr = guenther_timing.measure(args, comm, data, args.timing_depths, args.timing_reps)
+    samples, gerr, notes = guenther_timing.measure(args, comm, data, args.timing_depths,
+                                                   args.timing_reps, args.compile_backend)
     if comm.Get_rank() != 0:
         return
     o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor, min_coarse=args.min_coarse,
@@ -256,7 +264,7 @@ def timing_part(args, comm, data, costs_list):
         ("cal", "N", "P", "serial", "simultaneous", "serial_kernels"))})
     meta = reporting.run_metadata(world_size=comm.Get_size())
     meta.update(methods=list(guenther_timing.METHODS), reps=args.timing_reps,
-                mgrit_iters=args.mgrit_iters, train_points=args.train,
+                mgrit_iters=args.mgrit_iters, train_points=args.train, compile=notes,
                 calibrated_tau=[{"fwd": [c[0].single, c[0].call, c[0].item],
                                  "adj": [c[1].single, c[1].call, c[1].item],
                                  "serial_layer": c[3]} for c in costs_list])

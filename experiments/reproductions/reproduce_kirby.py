@@ -44,7 +44,7 @@ Run time of ``--full`` on 2 idle cores (estimate): the earlier record took 396 s
 timing part ~40 s; the new timing part is ~11 rounds x ~7 s (forward variants at N = 128..4096
 on 1 and 2 ranks, training steps at N = 1024 and 4096) + ~60 s for inductor to compile the
 16-layer block once (131 s measured on a machine at load 10) + ~15 s of network builds and 3
-calibrations: about 8.5 minutes in all. ``--smoke`` (aot_eager instead of inductor): ~45 s on a
+calibrations: about 8.5 minutes in all. ``--smoke`` (eager backend instead of inductor): ~45 s on a
 loaded machine.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def parse(argv=None):
                    help="repeated calibrations of the cost model (the extrapolations' spread)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled baseline ('' = none; --smoke: "
-                        "aot_eager, which exercises the code path without inductor's build)")
+                        "eager: dynamo without a compiler, the code path only)")
     p.add_argument("--acc", nargs="+", default=["512:64", "512:16"],
                    help="accuracy runs N:m (N/m >= 8 blocks: 2 iterations are not exact)")
     p.add_argument("--train-samples", type=int, default=200)
@@ -115,7 +115,7 @@ def parse(argv=None):
         a.train_depths = [1024, 4096]
     if a.smoke:
         a.cfactor, a.depths, a.reps, a.acc = 4, [16], 2, ["32:4"]
-        a.train_depths, a.compile_backend = [16], "aot_eager"
+        a.train_depths, a.compile_backend = [16], "eager"
         a.train_samples, a.test_samples, a.model_ranks = 8, 20, 4
     a.acc_runs = []
     for s in a.acc:
