@@ -74,7 +74,7 @@ def write(d: Path) -> None:
              "ours": "; ".join(f"{r[0]}: val {r[6]}, train {r[5]}" for r in rows)
                      + f" ({S} seeds, {iters} L-BFGS its)", "kind": "measured"}]
     if tim is not None:
-        head.append(guenther_timing.headline_row(*tim))
+        head += guenther_timing.headline_rows(*tim)
     write_headline(d, head, [meta] + ([tim[1]] if tim is not None else []))
     _plots(d, s, methods, S, N)
 
