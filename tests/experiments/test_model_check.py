@@ -71,3 +71,32 @@ def test_kirby_timing_strongest_baseline_and_model_error():
     np.testing.assert_allclose(T.extrapolated(64, 4, "kirby"), [5.0 / 6.0, 5.0 / 5.0])
     k = {r["point"]: r["ratio"] for r in T.errors(64, "kirby")}
     assert k["P=2"] == pytest.approx((5.0 / (4.0 + 4.0)) / (5.0 / 9.0))
+
+
+def test_guenther_timing_strongest_and_model_error():
+    """Günther's timing report: the strongest exact baseline over the 1-rank and data-parallel
+    rows, and the speedup's model error from given medians and per-calibration predictions."""
+    import numpy as np
+
+    from experiments.reproductions import guenther_timing as gt
+    meas = [(1, 30, "serial", 4.0), (1, 30, "simultaneous", 8.0), (1, 30, "compiled", 3.0),
+            (2, 30, "serial", 4.0), (2, 30, "simultaneous", 5.0), (2, 30, "data_parallel", 2.5),
+            (2, 30, "compiled_dp", 2.0)]
+    s = {f"meas_{k}": np.array(v, dtype=float) for k, v in zip(
+        ("P", "N", "method", "median"), zip(*[(p, n, gt.METHODS.index(m), t) for p, n, m, t in meas]))}
+    for k in ("q1", "q3", "min", "max"):
+        s[f"meas_{k}"] = s["meas_median"]
+    s.update(gerr_P=np.array([1, 2]), gerr_N=np.array([30, 30]), gerr_value=np.array([1e-3, 1e-3]))
+    rows = [(c, 30, p, se, si, 1.0) for c, (p, se, si) in enumerate([(1, 4.0, 4.0), (2, 4.0, 5.0)])]
+    rows += [(c, 30, 8, 4.0, si, 1.0) for c, si in enumerate((1.0, 2.0, 4.0))]
+    s.update({f"model_{k}": np.array(v, dtype=float) for k, v in zip(
+        ("cal", "N", "P", "serial", "simultaneous", "serial_kernels"), zip(*rows))})
+    T = gt.Timing(s, {"methods": list(gt.METHODS)})
+    assert T.strongest(1, 30) == (3.0, "compiled")
+    assert T.strongest(2, 30) == (2.0, "compiled_dp")
+    e = {r["point"]: r["ratio"] for r in T.errors(30, "speedup")}
+    # measured serial/simultaneous: P=1 0.5, P=2 0.8; predicted 1.0 and 0.8
+    assert e == {"P=1": pytest.approx(2.0), "P=2": pytest.approx(1.0)}
+    np.testing.assert_allclose(sorted(T.speedup(30, 8)), [1.0, 2.0, 4.0])
+    k = {r["point"]: r["ratio"] for r in T.errors(30, "serial_kernels")}
+    assert k == {"P=1": pytest.approx(0.25), "P=2": pytest.approx(0.25)}
