@@ -219,8 +219,10 @@ def summary(s, meta, published):
     L += [f"**Kirby's setting extrapolated with the CPU-calibrated model** (step costs measured "
           f"here, {len(meta['step_costs'])} calibrations; messages "
           f"{1e6 * meta['comm_cost']['latency']:.1f} us, {meta['comm_cost']['source']}). "
-          + ("The model is within " if ok else "**The model is NOT validated**: it misses ")
-          + f"{mc.VALID_FACTOR}x of the measured P = {', '.join(map(str, T.P))} at N = {N}"
+          + (f"The model is within {mc.VALID_FACTOR}x of" if ok else
+             "**The model is NOT validated**: it misses")
+          + f" the measured P = {', '.join(map(str, T.P))} at N = {N}"
+          + ("" if ok else f" by more than {mc.VALID_FACTOR}x")
           + ("; the numbers below are modeled, not measured." if ok else
              ", so the numbers below are not results, only what the model says.")
           + f" Published: {published['speedup_same_gpus']}x (forward vs the chain, GPUs).", ""]
