@@ -8,6 +8,7 @@ import numpy as np
 
 from mgrit.training import report as reporting
 from experiments.reports.study_parts import read_part, write_headline
+from experiments.reproductions import guenther_timing
 
 TITLE = "Günther et al. 2020 -- Peaks, serial vs simultaneous layer-parallel training"
 
@@ -32,38 +33,25 @@ def write(d: Path) -> None:
     methods, S = meta["methods"], int(meta["setting_seeds"])
     iters, P = int(meta["setting_iters"]), int(meta["world_size"])
     N = int(meta["setting_layers"])
-    model_P = [int(q) for q in s["model/P"]]
-    per_eval = {m: s[f"model/{m}/per_eval"] for m in methods}
+    tim = read_part(d / "results.h5", "timing")
     rows = []
     for m in methods:
         ev = _final(s, S, m, "evals")
         rows.append([m, iters, _pm(ev), _pm(_final(s, S, m, "objective")),
                      _pm(_final(s, S, m, "train_loss")), _pm(_final(s, S, m, "train_acc"), True),
-                     _pm(_final(s, S, m, "val_acc"), True), _pm(_final(s, S, m, "wall"))]
-                    + [f"{ev.mean() * per_eval[m][j]:.3g}" for j in range(len(model_P))])
+                     _pm(_final(s, S, m, "val_acc"), True), _pm(_final(s, S, m, "wall"))])
     seeds_rows = [[i] + [f"{100 * s[f'seed{i}/{m}/val_acc'][-1]:.1f}%" for m in methods]
                   for i in range(S)]
     body = [f"## Final numbers, mean ± std over {S} weight seeds (same Peaks data)", "",
             "Accuracy, objective and evaluations are valid on a loaded machine; wall seconds "
-            f"(measured, P = {P}, load average {meta['loadavg']}) and the modeled seconds (cost "
-            "model with step costs calibrated on this machine x mean evaluations) need a quiet "
-            "one.", "",
+            f"(measured, P = {P}, load average {meta['loadavg']}) need a quiet one.", "",
             reporting.markdown_table(["method", "L-BFGS iters", "evaluations",
                                       "final objective (optimizer's)", "train loss (exact)",
-                                      "train acc", "val acc", f"wall s (P={P})"]
-                                     + [f"modeled s, P={q}" for q in model_P], rows), "",
+                                      "train acc", "val acc", f"wall s (P={P})"], rows), "",
             "Validation accuracy per seed:", "",
             reporting.markdown_table(["seed"] + methods, seeds_rows), ""]
-    if "serial" in methods and "simultaneous" in methods:
-        sp = [[q, per_eval["serial"][j], per_eval["simultaneous"][j],
-               per_eval["serial"][j] / per_eval["simultaneous"][j]] for j, q in enumerate(model_P)]
-        body += ["## MODELED time per evaluation (forward + gradient), critical path", "",
-                 reporting.markdown_table(["P", "serial s", "simultaneous s", "modeled speedup"], sp),
-                 "", "## MODELED scaling (cost model only, not run)", "",
-                 reporting.markdown_table(["N layers", "P", "serial s / eval",
-                                           "simultaneous s / eval", "modeled speedup"],
-                                          [[int(r[0]), int(r[1]), r[2], r[3], r[2] / r[3]]
-                                           for r in s["model/scaling"]]), ""]
+    if tim is not None:
+        body += guenther_timing.report_body(*tim) + [""]
     if "simultaneous" in methods:
         ff = np.array([s[f"seed{i}/simultaneous/fwd_factor"] for i in range(S)], dtype=float)
         bf = np.array([s[f"seed{i}/simultaneous/bwd_factor"] for i in range(S)], dtype=float)
@@ -80,24 +68,18 @@ def write(d: Path) -> None:
     keys = (*reporting.PROVENANCE_KEYS, "world_size")
     reporting.write_table(d / "table.md", TITLE, {k: meta[k] for k in keys if k in meta},
                           "\n".join(body))
-    _summary(d, s, meta, methods, S, iters, N, rows)
+    _summary(d, s, meta, methods, S, iters, N, rows, tim)
     head = [{"claim": "simultaneous training reaches serial training's accuracy (no published "
                       "number for this run)",
              "ours": "; ".join(f"{r[0]}: val {r[6]}, train {r[5]}" for r in rows)
                      + f" ({S} seeds, {iters} L-BFGS its)", "kind": "measured"}]
-    if "serial" in methods and "simultaneous" in methods:
-        sc = [r for r in s["model/scaling"] if int(r[0]) == 1024]
-        if sc:
-            head.append({"claim": "speedup with many cores for deep networks",
-                         "ours": "N = 1024: " + ", ".join(f"{r[2] / r[3]:.2f}x (P = {int(r[1])})"
-                                                          for r in sc)
-                                 + " per evaluation (CPU-calibrated cost model)",
-                         "kind": "modeled"})
-    write_headline(d, head, [meta])
-    _plots(d, s, methods, S, N, model_P, per_eval)
+    if tim is not None:
+        head += guenther_timing.headline_rows(*tim)
+    write_headline(d, head, [meta] + ([tim[1]] if tim is not None else []))
+    _plots(d, s, methods, S, N)
 
 
-def _summary(d, s, meta, methods, S, iters, N, rows):
+def _summary(d, s, meta, methods, S, iters, N, rows, tim=None):
     L = ["# Study 2: Günther et al. 2020 -- simultaneous layer-parallel training on Peaks", "",
          "Generated by `experiments/reproductions/reproduce_guenther.py` from `results.h5`; `table.md` has the "
          "full tables, command, commit, machine and load.", "",
@@ -122,20 +104,12 @@ def _summary(d, s, meta, methods, S, iters, N, rows):
         bf = np.array([s[f"seed{i}/simultaneous/bwd_factor"] for i in range(S)], dtype=float)
         L += [f"- MGRIT convergence factors during simultaneous training: forward "
               f"{np.nanmean(ff):.3g}, adjoint {np.nanmean(bf):.3g} (mean over iterations and seeds)."]
-    if "serial" in methods and "simultaneous" in methods:
-        q = [int(v) for v in s["model/P"]]
-        sp = [s["model/serial/per_eval"][j] / s["model/simultaneous/per_eval"][j] for j in range(len(q))]
-        sc = s["model/scaling"]
-        deep = [f"{r[2] / r[3]:.2f}x (P = {int(r[1])})" for r in sc if int(r[0]) == 1024]
-        L += ["", f"**Speed (MODELED, cost model with step costs calibrated on this machine; load "
-              f"average {meta['loadavg']}).** Per evaluation at N = {N}: "
-              + ", ".join(f"{v:.2f}x (P = {p})" for p, v in zip(q, sp))
-              + (f"; at N = 1024: {', '.join(deep)}" if deep else "")
-              + ". Measured wall times at P = 2 are in `table.md`; both need a quiet machine."]
+    if tim is not None:
+        L += guenther_timing.summary_lines(*tim)
     (d / "summary.md").write_text("\n".join(L) + "\n")
 
 
-def _plots(d, s, methods, S, N, model_P, per_eval):
+def _plots(d, s, methods, S, N):
     it = s[f"seed0/{methods[0]}/iter"]
     for key, ylabel, logy in (("objective", "objective J (optimizer's)", True),
                               ("train_loss", "exact training loss", True),
@@ -144,13 +118,6 @@ def _plots(d, s, methods, S, N, model_P, per_eval):
         reporting.plot_lines(d / f"{key}_vs_iter.png",
                              {f"{m} (mean of {S} seeds)": (it, _curve(s, S, m, key)) for m in methods},
                              "L-BFGS iteration", ylabel, f"Peaks, N={N}", logy=logy)
-    q = max(model_P)
-    j = model_P.index(q)
-    reporting.plot_lines(d / "train_loss_vs_modeled_time.png",
-                         {f"{m} (P={q})": (_curve(s, S, m, "evals") * per_eval[m][j],
-                                           _curve(s, S, m, "train_loss")) for m in methods},
-                         "modeled time [s] (cost model)", "exact training loss",
-                         f"Peaks, N={N} [modeled time]", logy=True)
     if "simultaneous" in methods:
         reporting.plot_lines(d / "convergence_factors.png",
                              {"forward r2/r1": (it, _curve(s, S, "simultaneous", "fwd_factor")),

@@ -25,9 +25,27 @@ Methods (same code, same initial weights, same optimizer):
   states; the optimizer sees the inexact loss and gradient.
 
 Recorded per L-BFGS iteration: the optimizer's objective, the exact (serial-network) training
-loss/accuracy and validation accuracy, evaluations, wall time, modeled time (``mgrit.perf``
-cost model with a calibrated step cost; see ``modeled_time``) and the MGRIT residuals /
+loss/accuracy and validation accuracy, evaluations, wall time and the MGRIT residuals /
 convergence factors of the forward and adjoint solves.
+
+Timing part (``guenther_timing``; results group ``timing``, raw per-repeat seconds in
+``timing.raw.json``): wall time per objective evaluation of both methods at P = 1 and the world
+size, at ``--timing-depths`` (default N and 256), ``--timing-reps`` (10) interleaved repeats
+with the IQR beside each median; the gradient error of the simultaneous (inexact) evaluation
+against the serial one; ``--calibrations`` (3) independent calibrations of the cost model
+(``modeled_time``), its prediction/measurement ratio at every measured point and the min-max of
+every extrapolated number (P up to ``--model-ranks``) over the calibrations. A model off by more
+than 25% at a measured point is NOT validated and its extrapolations are not reported as
+results (``model_check``). The serial evaluation's cost is calibrated on its own code path
+(``calibrate_serial``, a separate 64-layer chain, not a timed network); the kernel-cost model
+used before (6-8x off at the measured points in smoke runs) is kept beside it with its error.
+
+Run time of ``--full`` on 2 idle cores (estimate): ~150 s of training (5 seeds x 2 methods x
+130 iterations, as the previous record's 153 s in all) + ~60 s timing part (N = 256: ~1.3 s per
+round of the layer-parallel methods at P = 2, ~2 s at P = 1, ~0.6 s of compiled and
+data-parallel baselines, 11 rounds) + ~40 s for inductor to compile the 2-layer block (full and
+half batch) + ~10 s for 3 calibrations: about 4.5 minutes. ``--smoke`` (eager backend): ~35 s
+of CPU per rank.
 
 Seeds: ``--seeds S`` runs both methods from S initializations (weight seeds 0..S-1, the same
 Peaks data, ``--data-seed``); the tables give mean +- std over the seeds. The paper publishes no
@@ -83,9 +101,19 @@ def parse_args(argv=None):
     p.add_argument("--history", type=int, default=10, help="L-BFGS pairs")
     p.add_argument("--methods", default="serial,simultaneous",
                    help="comma list of serial, simultaneous")
-    p.add_argument("--model-ranks", default=None,
-                   help="comma list of rank counts P for the modeled time "
-                        "(default: this run's P and N/4, N/2 where >= P)")
+    p.add_argument("--model-ranks", default="2,8,32,128,256",
+                   help="comma list of rank counts P of the modeled extrapolation")
+    p.add_argument("--timing-depths", type=int, nargs="+", default=None,
+                   help="depths whose evaluation is timed at P = 1 and the world size (default: "
+                        "--layers and 256; --smoke: --layers); the model is extrapolated in P "
+                        "at these depths only (1024 would cost ~3 minutes more on 2 cores)")
+    p.add_argument("--timing-reps", type=int, default=None,
+                   help="interleaved timed evaluations per method (default 10; --smoke 3)")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="repeated calibrations of the cost model (the extrapolations' spread)")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of the compiled baselines ('' = none; default "
+                        "inductor, --smoke eager: dynamo without a compiler)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild table.md, summary.md, plots from results.h5 without running")
     p.add_argument("--seeds", type=int, default=None,
@@ -103,6 +131,10 @@ def parse_args(argv=None):
     if a.smoke:
         a.val = min(a.val, 100)
     a.seeds = a.seeds or (2 if a.smoke else 5)
+    a.timing_depths = sorted(set(a.timing_depths or ([a.layers] if a.smoke else [a.layers, 256])))
+    a.timing_reps = a.timing_reps or (3 if a.smoke else 10)
+    if a.compile_backend is None:
+        a.compile_backend = "eager" if a.smoke else "inductor"
     return a
 
 
@@ -124,9 +156,9 @@ from data.peaks import make_peaks  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.nn.chains import AdjointChain, ForwardChain  # noqa: E402
 from experiments.reports.study_parts import write_part  # noqa: E402
-from experiments.reproductions import guenther_report  # noqa: E402
+from experiments.reproductions import guenther_report, guenther_timing  # noqa: E402
 from experiments.reproductions.guenther_problem import Problem, lbfgs_armijo  # noqa: E402
-from mgrit.nn import DenseStep  # noqa: E402
+from mgrit.nn import DenseStep, ResidualStep  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 
 
@@ -156,25 +188,89 @@ def calibrate(width, batch, reps=5):
     return fwd, adj
 
 
+def calibrate_serial(width, batch, reps=5):
+    """Seconds per residual layer of the SERIAL evaluation's own code path: forward + autograd
+    backward through ``ResidualStep(DenseStep)`` modules (what 1-level training runs; the
+    propagator kernels of :func:`calibrate` are not on that path), median over ``reps`` runs of
+    a separate 64-layer chain (not a network that is timed in the study)."""
+    torch.manual_seed(1)
+    n = 64
+    net = torch.nn.Sequential(*[ResidualStep(DenseStep(width, "smoothrelu"), 1.0 / n)
+                                for _ in range(n)])
+    x = torch.randn(batch, width)
+
+    def run():
+        net.zero_grad(set_to_none=True)
+        net(x).sum().backward()
+
+    run()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / n
+
+
 def _mgrit_critical_path(N, P, opts, K, tau, nbytes):
     """Critical path of one fixed-iteration MGRIT solve: ``mgrit.perf.simulate`` (a replay of
     the solver's control flow) with the default :class:`mgrit.perf.CommCost`."""
     return perf.simulate(N, P, opts, K, None, tau, perf.CommCost(), nbytes).critical_path
 
 
-def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial):
+def modeled_time(N, P, fw_opts, bw_opts, K, costs, serial, kernels=False):
     """Modeled seconds of one evaluation (forward + backward), critical path.
 
-    serial: ``N (tau_f + tau_b) + 2 (P - 1) beta`` (notes' cost model, blocking chain).
+    serial: ``N tau_serial + 2 (P - 1) beta`` (blocking chain) with ``tau_serial`` the
+    serial path's own forward + backward per layer (:func:`calibrate_serial`, the 4th entry of
+    ``costs``); with 3 entries (or ``kernels=True``) the notes' ``tau_f + tau_b`` of the
+    propagator kernels, which the serial path does not run (the model before issue 24).
     Simultaneous: MGRIT forward (K cycles) + adjoint (K cycles) critical paths
     (:func:`_mgrit_critical_path`) plus the parameter-gradient sweep ``ceil(N/P) tau_b``;
     default :class:`mgrit.perf.CommCost` (5 us, 5 GB/s), one state per message."""
-    fwd, adj, nbytes = costs
+    fwd, adj, nbytes = costs[:3]
     if serial:
-        return N * (fwd.single + adj.single) + 2 * (P - 1) * perf.CommCost().message(nbytes)
+        tau = fwd.single + adj.single if kernels or len(costs) < 4 else costs[3]
+        return N * tau + 2 * (P - 1) * perf.CommCost().message(nbytes)
     tf = _mgrit_critical_path(N, P, fw_opts, K, fwd, nbytes)
     tb = _mgrit_critical_path(N, P, bw_opts, K, adj, nbytes)
     return tf + tb + math.ceil(N / P) * adj.single
+
+
+def timing_part(args, comm, data, costs_list):
+    """The ``timing`` part of ``results.h5`` (``guenther_timing``): measured seconds per
+    evaluation (median, IQR, min-max) per ``(P, N, method)``, the simultaneous evaluation's
+    gradient error, and the cost model per calibration at the measured points and the
+    extrapolation's ``(N, P)``; raw per-repeat times in ``timing.raw.json``."""
+    samples, gerr, notes = guenther_timing.measure(args, comm, data, args.timing_depths,
+                                                   args.timing_reps, args.compile_backend)
+    if comm.Get_rank() != 0:
+        return
+    o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor, min_coarse=args.min_coarse,
+                     relax=["F", "FCF"], tol=0, max_iter=args.mgrit_iters)
+    qs = sorted({int(v) for v in args.model_ranks.split(",")} | {1, comm.Get_size()})
+    points = [(n, q) for n in args.timing_depths for q in qs if q <= n]
+    model = guenther_timing.model_rows(args, costs_list, points, (o, o), modeled_time)
+    rows = []
+    for key, v in samples.items():
+        P, N, m = key.split("/")
+        sp = reporting.spread(v)
+        rows.append((int(P[2:]), int(N[2:]), guenther_timing.METHODS.index(m), sp["median"],
+                     sp["q1"], sp["q3"], sp["min"], sp["max"]))
+    series = {f"meas_{k}": [r[i] for r in rows] for i, k in enumerate(
+        ("P", "N", "method", "median", "q1", "q3", "min", "max"))}
+    series.update({f"gerr_{k}": [g[i] for g in gerr] for i, k in enumerate(("P", "N", "value"))})
+    series.update({f"model_{k}": [r[i] for r in model] for i, k in enumerate(
+        ("cal", "N", "P", "serial", "simultaneous", "serial_kernels"))})
+    meta = reporting.run_metadata(world_size=comm.Get_size())
+    meta.update(methods=list(guenther_timing.METHODS), reps=args.timing_reps,
+                mgrit_iters=args.mgrit_iters, train_points=args.train, compile=notes,
+                calibrated_tau=[{"fwd": [c[0].single, c[0].call, c[0].item],
+                                 "adj": [c[1].single, c[1].call, c[1].item],
+                                 "serial_layer": c[3]} for c in costs_list])
+    outdir = reporting.results_dir(STUDY, args.out or OUT)
+    reporting.write_raw(outdir / "timing.raw.json", samples, meta)
+    write_part(outdir / "results.h5", "timing", series, meta)
 
 
 # ---------------------------------------------------------------------------- main
@@ -239,17 +335,14 @@ def main(argv=None):
     for m in methods:
         if m not in ("serial", "simultaneous"):
             raise SystemExit(f"unknown method {m!r}: use serial, simultaneous")
-    costs = None
+    costs_list = None
     if rank == 0:
-        fwd, adj = calibrate(args.width, args.train, reps=3 if args.smoke else 5)
-        costs = (fwd, adj, args.train * args.width * 8)
-    costs = comm.bcast(costs, root=0)
-    N = args.layers
-    if args.model_ranks:
-        model_P = sorted({int(v) for v in args.model_ranks.split(",")})
-    else:
-        model_P = sorted({P} | {q for q in (N // 4, N // 2) if q >= P})
-    model_P = [q for q in model_P if 1 <= q <= N]
+        reps = 3 if args.smoke else 5
+        costs_list = [(*calibrate(args.width, args.train, reps=reps), args.train * args.width * 8,
+                       calibrate_serial(args.width, args.train, reps=reps))
+                      for _ in range(args.calibrations)]
+    costs_list = comm.bcast(costs_list, root=0)
+    costs = costs_list[0]
     series, levels, opts = {}, 0, {}
     for seed in range(args.seeds):
         for method in methods:
@@ -257,23 +350,10 @@ def main(argv=None):
             levels = max(levels, lv)
             for k, v in rec.items():
                 series[f"seed{seed}/{method}/{k}"] = v
+    if "serial" in methods and "simultaneous" in methods:
+        timing_part(args, comm, data, costs_list)
     if rank != 0:
         return
-    per_eval = {m: [modeled_time(N, q, *opts[m], args.mgrit_iters, costs, m == "serial")
-                    for q in model_P] for m in methods}
-    series.update({f"model/{m}/per_eval": v for m, v in per_eval.items()})
-    series["model/P"] = model_P
-    sc = []
-    if "serial" in methods and "simultaneous" in methods:
-        o = MGRITOptions(max_levels=args.max_levels, cfactor=args.cfactor,
-                         min_coarse=args.min_coarse, relax=["F", "FCF"], tol=0,
-                         max_iter=args.mgrit_iters)
-        for n_model in sorted({N, 1024}):
-            for q in (2, 8, 32, 128, 512):
-                if q <= n_model:
-                    sc.append([n_model, q, modeled_time(n_model, q, o, o, args.mgrit_iters, costs, True),
-                               modeled_time(n_model, q, o, o, args.mgrit_iters, costs, False)])
-    series["model/scaling"] = np.array(sc, dtype=float).reshape(-1, 4)
     meta = reporting.run_metadata(world_size=P)
     meta.update({f"setting_{k}": v for k, v in vars(args).items()})
     meta.update(methods=methods, levels=levels, paper=PAPER,

@@ -23,12 +23,29 @@ Two parts (``--part``; each replaces only its own group of ``results.h5``, then 
   Records test accuracy of the serial net, of the MGRIT-trained net evaluated with its inexact
   MGRIT forward and with the exact forward, the relative output error of the MGRIT forward, and
   the forward residuals. Not timing-sensitive: valid on a loaded machine.
-* ``timing``: forward wall time of MGRIT (batched and looped relaxation) and the blocking chain
-  at P = 1 and P = world size (interleaved); and two MODELS (``mgrit.perf.simulate``, a replay
-  of the solver's control flow): the *count model* (critical path counted in step applications,
-  a batched call over B intervals counted as ONE step, messages free -- no measured cost in it;
-  Kirby's CUDA streams in the ideal limit) and the *CPU-calibrated model* (step costs measured
-  here, messages 5 us + bytes / 5 GB/s). Timing-sensitive: refresh on a quiet machine.
+* ``timing`` (``kirby_timing``): wall times at P = 1 and the world size, ``--reps`` (``--full``:
+  10) interleaved repeats, median with IQR, raw per-repeat numbers in ``timing.raw.json``: the
+  forward of MGRIT (batched; looped relaxation up to ``--loop-max`` = 1024, beyond which it is
+  4x slower than batched in the earlier records), the blocking chain and, on one rank, plain
+  ``nn.Sequential`` and ``torch.compile`` (the strongest baseline is the fastest of these; at
+  batch 1 there is no data parallelism); the training step (forward + backward) at
+  ``--train-depths`` of the chain, Kirby's own variant (MGRIT forward + serial adjoint, with
+  its relative gradient error against exact backprop beside its time), ``nn.Sequential`` and
+  compiled. Then ``--calibrations`` (3) calibrations of the CPU model (``mgrit.perf.simulate``
+  with step costs measured here and the ping-pong measured here): its predicted/measured ratio
+  at every measured point and the min-max over calibrations of every extrapolated number
+  (``model_check``; a model off by more than 25% is flagged NOT validated and its
+  extrapolations are not results). The *count model* (critical path counted in step
+  applications, a batched call over B intervals counted as ONE step, messages free -- no
+  measured cost in it; Kirby's CUDA streams in the ideal limit) is written by every run, with
+  its error at the measured points. Timing-sensitive: refresh on a quiet machine.
+
+Run time of ``--full`` on 2 idle cores (estimate): the earlier record took 396 s, of which the
+timing part ~40 s; the new timing part is ~11 rounds x ~7 s (forward variants at N = 128..4096
+on 1 and 2 ranks, training steps at N = 1024 and 4096) + ~60 s for inductor to compile the
+16-layer block once (131 s measured on a machine at load 10) + ~15 s of network builds and 3
+calibrations: about 8.5 minutes in all. ``--smoke`` (eager backend instead of inductor): ~45 s on a
+loaded machine.
 """
 from __future__ import annotations
 
@@ -36,6 +53,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
@@ -48,7 +66,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from data import load_dataset  # noqa: E402
-from experiments.reproductions import kirby_report  # noqa: E402
+from experiments.reproductions import kirby_report, kirby_timing  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.nn import ConvStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
@@ -72,7 +90,17 @@ def parse(argv=None):
     p.add_argument("--cfactor", type=int, default=64, help="m of the timing runs (paper: 64)")
     p.add_argument("--iters", type=int, default=2, help="MGRIT forward iterations (paper: <= 2)")
     p.add_argument("--depths", type=int, nargs="+", default=[128, 256, 512])
-    p.add_argument("--reps", type=int, default=3, help="timed forwards per configuration")
+    p.add_argument("--reps", type=int, default=3,
+                   help="interleaved timed repeats per variant (--full: 10)")
+    p.add_argument("--train-depths", type=int, nargs="+", default=[512],
+                   help="depths whose training step (Kirby's variant and the baselines) is timed")
+    p.add_argument("--loop-max", type=int, default=1024,
+                   help="time the looped-relaxation MGRIT forward only up to this depth")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="repeated calibrations of the cost model (the extrapolations' spread)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled baseline ('' = none; --smoke: "
+                        "eager: dynamo without a compiler, the code path only)")
     p.add_argument("--acc", nargs="+", default=["512:64", "512:16"],
                    help="accuracy runs N:m (N/m >= 8 blocks: 2 iterations are not exact)")
     p.add_argument("--train-samples", type=int, default=200)
@@ -83,9 +111,11 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.full:
         a.depths = [128, 256, 512, 1024, 2048, 4096]
-        a.train_samples, a.test_samples, a.reps = 500, 500, 5
+        a.train_samples, a.test_samples, a.reps = 500, 500, 10
+        a.train_depths = [1024, 4096]
     if a.smoke:
         a.cfactor, a.depths, a.reps, a.acc = 4, [16], 2, ["32:4"]
+        a.train_depths, a.compile_backend = [16], "eager"
         a.train_samples, a.test_samples, a.model_ranks = 8, 20, 4
     a.acc_runs = []
     for s in a.acc:
@@ -121,28 +151,6 @@ def closing(args):
 
 
 # ------------------------------------------------------------------------------ timing part
-def time_forwards(args, comm, N, variants, xs):
-    """Median wall time (max over ranks) of a no-grad forward for each ``(levels, batched)``
-    variant, interleaved sample by sample (the load of a shared machine hits them alike); the
-    first forward (no warm start) is excluded. Returns the medians and the networks."""
-    nets = [LayerParallelResNet.build(make_step(args), N, (args.channels, 28, 28), comm=comm,
-                                      seed=args.seed, T=N * args.h,
-                                      forward=fwd_opts(args.iters, cf(args, N), lv, b),
-                                      adjoint="serial")
-            for lv, b in variants]
-    ts = [[] for _ in nets]
-    with torch.no_grad():
-        for i in range(args.reps + 1):
-            for rn, t in zip(nets, ts):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                rn(xs[i] if rn.is_first else None, batch_size=1)
-                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-                if i:
-                    t.append(dt)
-    return [float(np.median(t)) for t in ts], nets
-
-
 def calibrate(args, x):
     """Step cost of the forward chain on this rank (single step and batched over B intervals)."""
     n = 16 if args.smoke else 64
@@ -186,57 +194,68 @@ def count_part(args, world):
 
 
 def timing_part(args, world):
+    """Measured forward and training-step times (``kirby_timing.measure``) at P = 1 and the
+    world size, the gradient error of Kirby's inexact training variant, ``--calibrations``
+    calibrations of the CPU cost model and its predictions on the model grid. The raw
+    per-repeat times go to ``timing.raw.json`` beside ``results.h5``."""
     rank, W = world.Get_rank(), world.Get_size()
     tr, _ = load_dataset("mnist5k")
     lift = opening(args)
+    n_in = args.reps + 1
+    raw = [torch.as_tensor(tr.get_batch(np.array([i]))[0]) for i in range(n_in)]
+    lab = [torch.as_tensor(tr.get_batch(np.array([i]))[1], dtype=torch.long) for i in range(n_in)]
     with torch.no_grad():
-        xs = [lift(torch.as_tensor(tr.get_batch(np.array([i]))[0])) for i in range(args.reps + 1)]
-    meas = []  # (P, N, m, t_mgrit, t_layerwise, t_serial, residual, t_mgrit_loop)
+        xs = [lift(x) for x in raw]
+    ctx = types.SimpleNamespace(ARGS=args, make_step=make_step, fwd_opts=fwd_opts, cf=cf,
+                                opening=opening, closing=closing, calibrate=calibrate,
+                                model_grid=model_grid)
+    rows, gerr, samples, notes = [], [], {}, {}
     for P in sorted({1, W}):
         sub = world.Split(0 if rank < P else MPI.UNDEFINED, rank)
         if sub != MPI.COMM_NULL:
             for N in args.depths:
                 if N < P or N // cf(args, N) < 2:
                     continue
-                (t_lw, t_mg, t_loop), nets = time_forwards(
-                    args, sub, N, [(1, True), (2, True), (2, False)], xs)
-                t_se = float("nan")
-                if P == 1:
-                    net = serial_resnet(make_step(args), N, T=N * args.h, seed=args.seed)
-                    with torch.no_grad():
-                        net(xs[0])
-                        t0 = time.perf_counter()
-                        for x in xs[1:]:
-                            net(x)
-                    t_se = (time.perf_counter() - t0) / args.reps
-                r = nets[1].last_forward.residuals
-                meas.append((P, N, cf(args, N), t_mg, t_lw, t_se, float(r[-1]) if r else float("nan"),
-                             t_loop))
+                got, ge, note = kirby_timing.measure(ctx, sub, N, xs, (raw, lab),
+                                                     N in args.train_depths,
+                                                     args.compile_backend if P == 1 else "")
+                notes.update({f"{k} N={N}": v for k, v in note.items()})
+                for k, v in got.items():
+                    samples[f"P={P}/N={N}/{k}"] = v
+                    sp = reporting.spread(v)
+                    rows.append((P, N, kirby_timing.VARIANTS.index(k), sp["median"], sp["q1"],
+                                 sp["q3"], sp["min"], sp["max"]))
+                if N in args.train_depths:
+                    gerr.append((P, N, ge))
             sub.Free()
         world.Barrier()
-    tau = calibrate(args, xs[0]) if rank == 0 else None
-    tau = world.bcast(tau, root=0)
+    # the other ranks' rows (P = 1 ran on rank 0 only): rank 0 holds everything it needs
+    taus = kirby_timing.calibrations(ctx, xs[0], args.calibrations) if rank == 0 else None
+    taus = world.bcast(taus, root=0)
     measured_comm = perf.pingpong(world)
-    comm_cost = perf.CommCost()
+    comm_cost = measured_comm or perf.CommCost()
     nbytes = args.channels * 784 * 4
-    model = []  # (N, P, cpu-calibrated modeled speedup)
+    model = kirby_timing.modeled(ctx, taus, comm_cost, nbytes) if rank == 0 else []
+    series = {f"meas_{k}": [r[i] for r in rows] for i, k in enumerate(
+        ("P", "N", "variant", "median", "q1", "q3", "min", "max"))}
+    series.update({f"gerr_{k}": [g[i] for g in gerr] for i, k in enumerate(("P", "N", "value"))})
+    series.update({f"model_{k}": [m[i] for m in model] for i, k in enumerate(
+        ("cal", "N", "P", "t_chain", "t_mgrit"))})
+    extra = {"variants": list(kirby_timing.VARIANTS), "reps": args.reps,
+             "step_costs": [{"single": t.single, "call": t.call, "item": t.item} for t in taus],
+             "comm_cost": {"latency": comm_cost.latency, "bandwidth": comm_cost.bandwidth,
+                           "source": "ping-pong measured here" if measured_comm else
+                           "assumed (1 rank: no ping-pong)"},
+             "compile": notes, "iters": args.iters, "cfactor": args.cfactor,
+             "channels": args.channels, "kernel": args.kernel, "h": args.h,
+             "train_depths": args.train_depths, "loop_max": args.loop_max}
     if rank == 0:
-        for N, P in model_grid(args):
-            o = fwd_opts(args.iters, cf(args, N))
-            lw = perf.layerwise_time(N, P, tau.single, comm_cost.message(nbytes))
-            crit = [perf.simulate(N, P, o, iterations=args.iters, batched=b, tau=tau,
-                                  comm=comm_cost, nbytes=nbytes).critical_path for b in (True, False)]
-            model.append((N, P, lw / min(crit)))
-    series = {f"meas_{k}": [m[i] for m in meas] for i, k in enumerate(
-        ("P", "N", "m", "t_mgrit", "t_layerwise", "t_serial", "residual", "t_mgrit_loop"))}
-    series.update({f"model_{k}": [m[i] for m in model] for i, k in enumerate(("N", "P", "cpu_speedup"))})
-    extra = {"step_cost": {"single": tau.single, "call": tau.call, "item": tau.item},
-             "comm_cost_model": {"latency": comm_cost.latency, "bandwidth": comm_cost.bandwidth},
-             "comm_cost_measured_here": None if measured_comm is None else
-             {"latency": measured_comm.latency, "bandwidth": measured_comm.bandwidth},
-             "iters": args.iters, "cfactor": args.cfactor, "channels": args.channels,
-             "kernel": args.kernel, "h": args.h}
+        meta = reporting.run_metadata(world_size=W)
+        meta.update(extra)
+        d = reporting.results_dir(STUDY, args.out or OUT)
+        reporting.write_raw(d / "timing.raw.json", samples, meta)
     return series, extra
+
 
 
 # ---------------------------------------------------------------------------- accuracy part
