@@ -11,7 +11,12 @@ compiled baselines, interleaved repeats, the gradient error of inexact configura
   accumulation; over the ranks of ``comm`` when the parameters are distributed).
 * :func:`speedups` / :func:`verdict` -- each option's speed-up over the fastest of the strong
   baselines (medians), and the sentence that says where layer-parallel wins and where it loses.
+* :func:`timing_table` -- one row per option: median [IQR], min-max, speed-up vs the strongest
+  baseline, the gradient (or forward) error.
 * :func:`cell` -- ``median [q1-q3]`` of :func:`mgrit.training.report.spread`.
+* :func:`compile_lean_dp` -- the compiled data-parallel baseline of the lean loop: each rank
+  the compiled lean step on its shard, one ``Allreduce`` of the flat gradient (agreed over the
+  ranks whether it compiles, before any other communication).
 * :func:`raw_path` -- ``<table>.raw.json`` beside ``<table>.md`` (written by ``report.write_raw``).
 """
 from __future__ import annotations
@@ -26,7 +31,7 @@ from mgrit.perf.lean import COMPILE_ERRORS
 from mgrit.training.report import spread
 
 __all__ = ["interleave", "try_compile", "grad_error", "speedups", "verdict", "cell", "raw_path",
-           "COMPILE_ERRORS"]
+           "compile_lean_dp", "timing_table", "COMPILE_ERRORS"]
 
 
 def interleave(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict:
@@ -122,18 +127,50 @@ def raw_path(table: str | Path) -> Path:
     return p.with_name(p.stem + ".raw.json")
 
 
-def compiled_lean_dp(lean, comm, block: int = 16, backend: str = "inductor"):
-    """``fn(x_shard, lr)``: the compiled data-parallel baseline of the lean loop
-    (:func:`mgrit.perf.lean.compiled_train_step` on this rank's shard, then one in-place
-    ``Allreduce`` of the flat gradient and its division by the number of ranks: the gradient of
-    ``mean(out^2)`` over the global batch when every rank holds an equal shard). The first call
-    compiles (or raises one of :data:`COMPILE_ERRORS`)."""
-    from mpi4py import MPI
+def compile_lean_dp(lean, comm, x_shard, block: int = 16, backend: str = "inductor"):
+    """``(fn, note)`` of :func:`compiled_lean_dp`, compiled and warmed on every rank with the
+    Allreduce off (lr 0), then agreed over ``comm`` (one ``allgather`` of the notes, no other
+    communication before it): ``fn`` on every rank, or ``None`` on every rank with the first
+    failing rank's note when any rank's compile failed."""
+    state = {"on": False}
 
-    from mgrit.perf.lean import compiled_train_step
-    P = comm.Get_size()
+    def build():
+        from mpi4py import MPI
 
-    def allreduce(net):
-        comm.Allreduce(MPI.IN_PLACE, net.grad_flat.numpy(), op=MPI.SUM)
-        net.grad_flat.mul_(1.0 / P)
-    return compiled_train_step(lean, block, backend, grad_hook=allreduce)
+        from mgrit.perf.lean import compiled_train_step
+        P = comm.Get_size()
+
+        def allreduce(net):
+            if state["on"]:
+                comm.Allreduce(MPI.IN_PLACE, net.grad_flat.numpy(), op=MPI.SUM)
+                net.grad_flat.mul_(1.0 / P)
+        return compiled_train_step(lean, block, backend, grad_hook=allreduce)
+    fn, note = try_compile(build, lambda f: f(x_shard, 0.0))
+    notes = comm.allgather((fn is not None, note))
+    bad = [n for ok, n in notes if not ok]
+    if bad:
+        return None, bad[0]
+    state["on"] = True
+    return fn, max(notes, key=lambda t: t[1])[1]
+
+
+def timing_table(series: Mapping[str, Sequence[float]], baselines: Sequence[str],
+                 labels: Mapping[str, str] | None = None, errors: Mapping[str, str] | None = None,
+                 scale: float = 1e3, unit: str = "ms", err_head: str = "gradient error",
+                 default_err: str = "exact") -> tuple[list, str, dict]:
+    """A timing table, one row per option of ``series`` (per-repeat seconds): median [IQR] and
+    min-max (times ``scale``, in ``unit``), the speed-up over the strongest of ``baselines``
+    (:func:`speedups`; > 1: faster) and the error column (``errors[name]``, else
+    ``default_err``). Returns ``(markdown lines, strongest baseline's name, speed-ups)``."""
+    labels, errors = dict(labels or {}), dict(errors or {})
+    best, sp = speedups(series, baselines)
+    L = [f"| option | time [{unit}]: median [IQR] | min-max | vs strongest baseline "
+         f"({labels.get(best, best)}) | {err_head} |", "|---|---|---|---|---|"]
+    for k, v in series.items():
+        if not len(v):
+            continue
+        s = spread(v)
+        mark = " (baseline)" if k in baselines else ""
+        L.append(f"| {labels.get(k, k)}{mark} | {cell(v, scale)} | {s['min'] * scale:.4g}-"
+                 f"{s['max'] * scale:.4g} | {sp[k]:.2f}x | {errors.get(k, default_err)} |")
+    return L, best, sp
