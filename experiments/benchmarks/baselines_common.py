@@ -9,6 +9,8 @@ compiled baselines, interleaved repeats, the gradient error of inexact configura
   are caught: any other error is a bug and propagates).
 * :func:`grad_error` -- ``||g - g_exact|| / ||g_exact||`` over lists of tensors (float64
   accumulation; over the ranks of ``comm`` when the parameters are distributed).
+* :func:`net_grad_error` -- the same for a layer-parallel ``mgrit.nn`` network against its
+  ``to_serial()`` twin on the same batch.
 * :func:`speedups` / :func:`verdict` -- each option's speed-up over the fastest of the strong
   baselines (medians), and the sentence that says where layer-parallel wins and where it loses.
 * :func:`timing_table` -- one row per option: median [IQR], min-max, speed-up vs the strongest
@@ -31,7 +33,8 @@ from mgrit.perf.lean import COMPILE_ERRORS
 from mgrit.training.report import spread
 
 __all__ = ["interleave", "try_compile", "grad_error", "speedups", "verdict", "cell", "raw_path",
-           "compile_lean_dp", "timing_table", "COMPILE_ERRORS"]
+           "compile_lean_dp", "timing_table", "net_grad_error",
+           "COMPILE_ERRORS"]
 
 
 def interleave(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict:
@@ -174,3 +177,24 @@ def timing_table(series: Mapping[str, Sequence[float]], baselines: Sequence[str]
         L.append(f"| {labels.get(k, k)}{mark} | {cell(v, scale)} | {s['min'] * scale:.4g}-"
                  f"{s['max'] * scale:.4g} | {sp[k]:.2f}x | {errors.get(k, default_err)} |")
     return L, best, sp
+
+
+def net_grad_error(net, x, target, loss_fn, comm=None) -> float:
+    """:func:`grad_error` of every parameter of a layer-parallel network ``net`` (an
+    :class:`mgrit.nn.net` model with ``to_serial``, ``named_global_parameters`` and ``loss``)
+    after one ``net.loss(net(x), target, loss_fn).backward()`` against serial autograd of
+    ``loss_fn(net.to_serial()(x), target)`` (the same weights and batch). Uses ``net``'s current
+    warm state (the first call on a fresh network: a cold start); no optimizer step; gradients
+    cleared afterwards. Collective over ``net``'s communicator (``comm`` for the sums)."""
+    serial = net.to_serial()
+    loss_fn(serial(x), target).backward()
+    exact = dict(serial.named_parameters())
+    for p in net.parameters():
+        p.grad = None
+    net.loss(net(x), target, loss_fn).backward()
+    mine = list(net.named_global_parameters())
+    zero = lambda p: torch.zeros_like(p) if p.grad is None else p.grad  # noqa: E731
+    err = grad_error([zero(p) for _, p in mine], [zero(exact[k]) for k, _ in mine], comm)
+    for p in net.parameters():
+        p.grad = None
+    return err
