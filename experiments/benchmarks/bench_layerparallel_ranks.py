@@ -125,12 +125,12 @@ def main():
             ffn, fnote = bc.try_compile(lambda: compiled_forward(lean_f, 16), lambda f: f(x))
         notes["compiled_r0"], notes["compiled_fwd_r0"] = comm.bcast((note, fnote), root=0)
         if first and fn is not None or not first and not notes["compiled_r0"].startswith("does not"):
-            comp["compiled_r0"] = lambda: alone(lambda: fn(x, LR))
+            comp["compiled_r0"] = lambda f=fn: alone(lambda: f(x, LR))
         if first and ffn is not None or not first and not notes["compiled_fwd_r0"].startswith("does not"):
-            comp_fwd["compiled_fwd_r0"] = lambda: alone(lambda: ffn(x))
+            comp_fwd["compiled_fwd_r0"] = lambda f=ffn: alone(lambda: f(x))
         dfn, notes["dp_compiled"] = bc.compile_lean_dp(LeanResNet.from_sequential(full), comm, shard, 16)
         if dfn is not None:
-            comp["dp_compiled"] = lambda: dfn(shard, LR)
+            comp["dp_compiled"] = lambda f=dfn: f(shard, LR)
     gerr = {"cold": mgrit_grad_error(lp, x, cold=True, comm=comm)}
     train = {"mgrit": lambda: lp_train_step(lp, x, o_l), "exact1": lambda: lp_train_step(exact, x, o_e),
              "lean_r0": lambda: alone(lambda: lean_full.train_step(x, LR)),
