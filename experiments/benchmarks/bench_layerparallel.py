@@ -20,10 +20,22 @@ forward, T3: MGRIT on 2 ranks vs the lean loop on 1); d the model's predictions 
 configuration of a-c from per-repeat calibrations (T5) and a ping-pong message chain; e Kirby's
 setting from the calibrated model (T4); f memory.
 
+Every timing table (issue 24, item 3; ``experiments/benchmarks/baselines_common.py``): one row
+per option with median [IQR] and min-max over the interleaved repeats, its speed-up over the
+strongest baseline (1 process: nn.Sequential, the lean loop, torch.compile of it; 2 ranks: the
+lean loop and its torch.compile on rank 0 alone, data parallelism with lean / nn.Sequential /
+compiled lean replicas), the gradient error of MGRIT (fixed cycles: inexact) beside its time
+(relative error of the steps' parameter gradient against serial autograd on the same batch,
+cold and warm start, float32 gradients), one verdict sentence per table; the raw per-repeat
+times in ``bench_layerparallel.raw.json`` beside the table.
+
 Usage: ``python experiments/benchmarks/bench_layerparallel.py [--quick]`` writes
-experiments/results/benchmarks/bench_layerparallel.md (``--quick``: N = 64, one repeat, no compile: a
-smoke test of well under a minute on 2 idle cores; full: N = 256, 1024, 4096, 5 repeats, about
-15 minutes on 2 idle cores, of which torch.compile takes a few). The 2-rank part runs as
+experiments/results/benchmarks/bench_layerparallel.md (``--quick``/``--smoke``: N = 64, one
+repeat, no compile: a smoke test of well under a minute on 2 idle cores; full: N = 256, 1024,
+10 interleaved repeats, compiled baselines: estimated 4-5 minutes on 2 idle cores -- 264 s
+before at N = 256, 1024, 4096 with 5 repeats, of which N = 4096 took about three quarters;
+torch.compile about 20 s in the 1-process part and 30 s per 2-rank launch. N = 4096 was dropped
+to keep 10 repeats within the record run's budget). The 2-rank part runs as
 ``mpiexec -n 2 python -m mpi4py experiments/benchmarks/bench_layerparallel_ranks.py``.
 """
 from __future__ import annotations
