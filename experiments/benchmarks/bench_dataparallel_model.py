@@ -146,8 +146,8 @@ def interleaved(name, make, global_batch, comm, train, repeats, compile_) -> dic
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)  # noqa: E731
     fns, notes = {}, {}
 
-    def serial_of(model):
-        opt = sgd(model)
+    def serial_of(model):  # model: None on the idle rank
+        opt = sgd(model) if model is not None else None
 
         def step():
             if rank == 0:
