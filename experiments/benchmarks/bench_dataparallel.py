@@ -6,7 +6,17 @@ Usage (from the repository root):
     python experiments/benchmarks/bench_dataparallel.py --quick  # smoke test (2 steps, 1 pair, small batches)
     python experiments/benchmarks/bench_dataparallel.py --steps 20 --global-batch 1024
 
-Full mode: about 5 minutes on 2 idle cores; ``--quick`` about one.
+Full mode: estimated about 4 minutes on 2 idle cores (90 s before the interleaved same-ranks
+launch; that launch: 10 repeats of 8 options on 2 models, about 1 minute, plus torch.compile of
+both models for the serial and the data-parallel baseline, about 1 minute); ``--quick`` (no
+compile, 2 repeats) about a minute.
+
+The headline table times every option on the same 2 ranks in one launch, interleaved
+(``--repeats`` rounds, A B C A B C ...): serial and ``torch.compile``'d serial on rank 0 alone,
+data parallelism eager and compiled, GPipe; median [IQR] and min-max, the raw per-repeat times
+in ``bench_dataparallel.raw.json``, each option's speed-up over the strongest baseline and the
+verdict sentences (:func:`bench_dataparallel_model.interleaved`). The throughput tables below it
+keep the earlier design (blocks of consecutive steps per configuration).
 
 The driver launches itself twice, ``OMP_NUM_THREADS=1 mpiexec -n P python -m mpi4py
 experiments/benchmarks/bench_dataparallel.py --worker`` for P = 1 and 2 (the venv's mpiexec; override with
@@ -59,6 +69,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base folder
 from experiments.benchmarks import bench_dataparallel_model as gp_model  # noqa: E402 (GPipe baseline and the model's predictions)
 from data import GlobalBatchSampler, load_dataset  # noqa: E402
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.parallel.dataparallel import (GradientBuckets, average_gradients,  # noqa: E402
                                          check_replicas_consistent)
@@ -167,6 +178,13 @@ def throughput(name, global_batch, averaging, grid, train, steps) -> dict:
 def worker(args) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
+    if args.interleaved:  # the interleaved comparison on 2 ranks (its own launch)
+        train = load_dataset("mnist5k")[0]
+        res = [gp_model.interleaved(n, make, b, comm, train, args.interleaved, args.compile)
+               for n, make, b in (("cnn", cnn, args.cnn_batch), ("mlp", mlp, args.global_batch))]
+        if comm.Get_rank() == 0:
+            Path(args.worker).write_text(json.dumps(res))
+        return
     grid = ProcessGrid(comm, data_parallel=comm.Get_size())
     train = load_dataset("mnist5k")[0]
     paths = ("buckets", "views", "pack") if comm.Get_size() > 1 else ("buckets",)
@@ -259,7 +277,40 @@ def model_lines(pairs, args) -> list:
     return L
 
 
-def launch(nprocs: int, args) -> dict:
+THROUGHPUT_HEAD = ("## Throughput, P_D = 2 vs 1 (same global batch; per configuration a block "
+                   "of consecutive steps, P_D = 1 / 2 launches alternated)")
+
+
+def interleaved_lines(res) -> list:
+    """The interleaved table of every option on the same 2 ranks, per model, with its verdict."""
+    L = ["", "## Every option on the same 2 ranks, interleaved (the headline comparison)", "",
+         "Serial and serial torch.compile on rank 0 alone (the other rank idle), data "
+         "parallelism eager and torch.compile'd (GradientBuckets, each rank half the global "
+         "batch), GPipe (2 stages, M micro-batches); one fixed mnist5k batch; each repeat runs "
+         "every option once in this order (A B C A B C ...), each timed step right after an "
+         "untimed one of the same option; wall clock between barriers, the slowest rank's. "
+         "median [IQR] and min-max; raw per-repeat seconds in `bench_dataparallel.raw.json`. "
+         "\"vs strongest\" = median of the fastest of serial / serial compiled / data parallel "
+         "/ data parallel compiled over the option's median (> 1: faster). Every option computes "
+         "the exact gradient (no MGRIT here: this table has no layer-parallel option; "
+         "bench_layerparallel.md and plan_validation.md time it).", ""]
+    base = ["serial", "serial compiled", "data parallel", "data parallel compiled"]
+    for r in res:
+        rows, best, sp = bc.timing_table(r["times"], base)
+        L += [f"### {r['model']}", "", *rows, ""]
+        notes = r["notes"]
+        L.append("torch.compile: " + ("; ".join(f"{k}: {v}" for k, v in notes.items())
+                                      if notes else "not run (--quick / --no-compile)") + ".")
+        others = [(k, v) for k, v in sp.items() if k.startswith("GPipe")]
+        sbest, ssp = bc.speedups(r["times"], ["serial", "serial compiled"])
+        dp = [(k, ssp[k]) for k in ("data parallel", "data parallel compiled") if k in ssp]
+        L += ["", bc.verdict(f"Model parallelism (GPipe) on {r['model']}", others, best) + " "
+              + bc.verdict(f"Data parallelism on {r['model']}", dp, f"the faster serial ({sbest})"),
+              ""]
+    return L
+
+
+def launch(nprocs: int, args, extra=()) -> dict:
     mpiexec = os.environ.get("LAYERPAR_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "res.json"
@@ -267,7 +318,7 @@ def launch(nprocs: int, args) -> dict:
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
                "--worker", str(out), "--steps", str(args.steps), "--global-batch", str(args.global_batch),
-               "--cnn-batch", str(args.cnn_batch)]
+               "--cnn-batch", str(args.cnn_batch), *extra]
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=1800)
         return json.loads(out.read_text())
 
@@ -282,7 +333,13 @@ def main() -> None:
                          "over them, speed-ups the median of the per-pair ratios")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 2 timed steps, 1 pair, smaller batches (about a minute)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="interleaved repeats of the same-ranks comparison (default 10; quick 2)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the torch.compile baselines (--quick: always skipped)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--interleaved", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(OUT / "bench_dataparallel.md"))
     args = ap.parse_args()
     if args.worker:
@@ -291,6 +348,9 @@ def main() -> None:
     if args.quick:
         args.steps, args.pairs, args.global_batch, args.cnn_batch = 2, 1, 128, 32
     prov = reporting.run_metadata()  # commit (+dirty), machine, cores, date, load before
+    reps = args.repeats or (2 if args.quick else 10)
+    compile_ = not (args.quick or args.no_compile)
+    inter = launch(2, args, ["--interleaved", str(reps), *(["--compile"] if compile_ else [])])
     pairs = [(launch(1, args), launch(2, args)) for _ in range(args.pairs)]  # alternated: a
     r1, r2 = merge([a for a, _ in pairs]), merge([b for _, b in pairs])   # drift hits both
 
@@ -318,7 +378,7 @@ def main() -> None:
         f"`cnn`: PyTorch's MNIST example network, global batch {args.cnn_batch} (compute-bound); "
         f"`mlp`: 784-1024-1024-1024-10, global batch {args.global_batch}.",
         "",
-        "## Throughput, P_D = 2 vs 1 (same global batch)",
+        THROUGHPUT_HEAD,
         "",
         "Averaging: `buckets` = `GradientBuckets` with its default `zero_grad()` (fresh "
         "gradients packed into persistent flat buffers, in-place Allreduce, the buffer views "
@@ -348,6 +408,8 @@ def main() -> None:
                      f"{pair_ratio(name, 'samples_per_s', 'views'):.2f}x | "
                      f"{pair_ratio(name, 'samples_per_s', 'pack'):.2f}x |")
     lines += model_lines(pairs, args)
+    lines[lines.index(THROUGHPUT_HEAD):
+          lines.index(THROUGHPUT_HEAD)] = interleaved_lines(inter)[1:] + [""]
     lines += ["", "Target: >= 1.7x on a compute-bound configuration (`cnn`). Wall-clock ratios are "
               "what this run saw. The CPU-time ratio does not count time spent descheduled by "
               "other jobs, but still counts MPI busy-waiting for a descheduled peer, so on a "
@@ -369,6 +431,8 @@ def main() -> None:
               "averaging) are dominated by scheduling, not by this code; rerun on an idle machine "
               "for the dedicated numbers.", ""]
     Path(args.out).write_text("\n".join(lines))
+    reporting.write_raw(bc.raw_path(args.out), {f"{r['model']} {k}": v for r in inter
+                                                for k, v in r["times"].items()}, prov)
     print("\n".join(lines))
 
 

@@ -127,3 +127,87 @@ def predict(c: dict, global_batch: int, comm: perf.CommCost) -> dict:
         out[f"gpipe M={M}"] = (flow_shop(f, M, beta) + flow_shop(bwd, M, beta)
                                + max(c["opt0"], c["opt1"]) + c["zero"])
     return out
+
+
+def interleaved(name, make, global_batch, comm, train, repeats, compile_) -> dict:
+    """Every option on the same 2 ranks, ``repeats`` interleaved rounds (A B C A B C ...; each
+    timed step right after an untimed one of the same option, wall clock between barriers, the
+    slowest rank's): ``serial`` and ``serial compiled`` (rank 0 alone, the other rank idle),
+    ``data parallel`` and ``data parallel compiled`` (GradientBuckets over each rank's half of
+    the batch), ``GPipe M=..`` (:data:`MS`). ``compile_``: also the compiled options
+    (``torch.compile`` of the whole model; a compile error leaves the option out on every rank
+    and its first line in ``notes``). Returns ``{"model", "times": {option: [s]}, "notes"}``."""
+    from experiments.benchmarks import baselines_common as bc
+    from mgrit.parallel.gradbuckets import GradientBuckets
+    rank, P = comm.Get_rank(), comm.Get_size()
+    x, y = _batch(train, global_batch)
+    rows = torch.tensor_split(torch.arange(global_batch), P)[rank]
+    ce = torch.nn.functional.cross_entropy
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)  # noqa: E731
+    fns, notes = {}, {}
+
+    def serial_of(model):  # model: None on the idle rank
+        opt = sgd(model) if model is not None else None
+
+        def step():
+            if rank == 0:
+                opt.zero_grad()
+                ce(model(x), y).backward()
+                opt.step()
+        return step
+
+    def dp_of(model, raw):
+        opt, buckets = sgd(raw), GradientBuckets(raw.parameters(), comm)
+
+        def step():
+            buckets.zero_grad()
+            ce(model(x[rows]), y[rows]).backward()
+            buckets.average()
+            opt.step()
+        return step
+    fns["serial"] = serial_of(make())
+    rep = make()
+    fns["data parallel"] = dp_of(rep, rep)
+    if compile_:
+        cs, note = None, None
+        if rank == 0:
+            m = make()
+            cs, note = bc.try_compile(lambda: torch.compile(m), lambda f: ce(f(x), y).backward())
+        notes["serial compiled"] = comm.bcast(note, root=0)
+        if not notes["serial compiled"].startswith("does not"):
+            fns["serial compiled"] = serial_of(cs if rank == 0 else None)
+        raw = make()
+        cd, dnote = bc.try_compile(lambda: torch.compile(raw),
+                                   lambda f: ce(f(x[rows]), y[rows]).backward())  # no Allreduce
+        got = comm.allgather((cd is not None, dnote))
+        bad = [n for ok, n in got if not ok]
+        notes["data parallel compiled"] = bad[0] if bad else dnote
+        if not bad:
+            fns["data parallel compiled"] = dp_of(cd, raw)
+    model = make()
+    stage = _stages(model)[rank]
+    in_shape = tuple(x.shape[1:]) if rank == 0 else tuple(_stages(model)[0](x[:1]).shape[1:])
+    opt_p = sgd(stage)
+    loss = lambda o, j, r: ce(o, y[r]) * (r.stop - r.start) / global_batch  # noqa: E731
+    for M in MS:
+        pipe = GPipe(ModuleStage(stage, in_shape, first=rank == 0), comm, M)
+        pipe.step(x if rank == 0 else None, global_batch, loss)  # validated once
+
+        def gp(pipe=pipe):
+            pipe.step(x if rank == 0 else None, global_batch, loss, validate=False)
+            opt_p.step()
+        fns[f"GPipe M={M}"] = gp
+
+    def timer(fn):
+        def run():
+            fn()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            comm.Barrier()
+            return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        return run
+    for fn in fns.values():
+        fn()  # warm-up
+    return {"model": name, "times": bc.interleave({k: timer(f) for k, f in fns.items()}, repeats),
+            "notes": notes}

@@ -20,6 +20,18 @@ speedup over the serial loop of the same step (``N tau_s``) is at most
 ``N tau_s / max_r W_r``. Messages, solver bookkeeping and waiting in the pipelined coarse solve
 come on top: the measured speedup stays below the bound; the bound says whether tuning can help.
 
+Every option's repeats are interleaved (A B C A B C ...; ``--reps``, default 10) and reported as
+median [IQR] and min-max with the raw per-repeat times in ``bench_gru.raw.json``, beside the
+compiled baselines (``torch.compile(nn.GRU)``: 1 process, rank 0 alone, and data parallelism:
+each rank the eager or compiled ``nn.GRU`` on half the batch), every option's speed-up over the
+strongest baseline, MGRIT's relative error of ``h_N`` and of the parameter gradient of
+``mean(h_N^2)`` (1 rank, the same options), and one verdict sentence per rank count.
+``main`` returns per length ``[N, GRUCell ms, nn.GRU ms, N tau_s ms, MGRIT 1 rank ms, nn.GRU /
+MGRIT 1 rank, bound 1 rank, MGRIT 2 ranks ms, nn.GRU / MGRIT 2 ranks, bound 2 ranks, err h_N 1
+rank, err h_N 2 ranks, gradient err]``. Full mode (6 lengths, 10 repeats, compile): estimated
+about a minute on 2 idle cores (11 s before, with 5 non-interleaved repeats and no compile;
+compile of nn.GRU about 10 s per process).
+
 Writes ``<out>/bench_gru.md`` (default ``experiments/results``). ``--smoke``: tiny sizes, two
 short lengths, seconds (run by tests/nn/test_gru.py). Do not trust timings on a loaded machine.
 """
@@ -43,11 +55,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base folder
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.gru import ParallelGRU  # noqa: E402
 from mgrit.nn.gru.chains import GRUChain  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.training.report import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
-                                   write_table)
+                                   write_raw, write_table)
 
 FULL_LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 
@@ -63,7 +76,10 @@ def parse(argv=None):
     ap.add_argument("--levels", type=int, default=2, help="MGRIT levels (default 2)")
     ap.add_argument("--relax", default="FCF", help="relaxation (default FCF)")
     ap.add_argument("--iters", type=int, default=2, help="MGRIT cycles, tol = 0 (default 2)")
-    ap.add_argument("--reps", type=int, default=5, help="timed repeats, median (default 5)")
+    ap.add_argument("--reps", type=int, default=10,
+                    help="interleaved timed repeats, median [IQR] (default 10)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the torch.compile baselines (--smoke: always skipped)")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank runs")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON path, 2-rank part
@@ -71,6 +87,7 @@ def parse(argv=None):
     if a.smoke:
         a.lengths = a.lengths or [32, 48]
         a.batch, a.input, a.hidden, a.cfactor, a.reps = 2, 2, 4, 4, 1
+        a.no_compile = True
     a.lengths = a.lengths or FULL_LENGTHS
     return a
 
@@ -88,6 +105,44 @@ def median_time(fn, reps, comm=None):
         t = time.perf_counter() - t0
         ts.append(comm.allreduce(t, op=MPI.MAX) if comm is not None else t)
     return statistics.median(ts)
+
+
+def steady(fn, comm=None):
+    """A timer for :func:`bc.interleave`: one untimed call of ``fn``, then the seconds of one
+    timed call (with ``comm``: between barriers, the slowest rank's)."""
+    def run():
+        fn()
+        if comm is not None:
+            comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        return comm.allreduce(t, op=MPI.MAX) if comm is not None else t
+    return run
+
+
+def compiled_gru(gru, x, enabled):
+    """``(torch.compile(gru) or None, note)``; the first call (compilation) on ``x``."""
+    if not enabled:
+        return None, "not run (--smoke / --no-compile)"
+    with torch.no_grad():
+        return bc.try_compile(lambda: torch.compile(gru), lambda f: f(x))
+
+
+def grad_error(a, model, x) -> float:
+    """Relative error of the parameter gradient of ``mean(h_N^2)`` through ``model`` (1 rank,
+    the MGRIT options of the table, cold start) against autograd of its ``nn.GRU`` twin."""
+    gru = model.to_gru()
+    (gru(x)[1][0] ** 2).mean().backward()
+    exact = [gru.weight_ih_l0.grad, gru.weight_hh_l0.grad, gru.bias_ih_l0.grad, gru.bias_hh_l0.grad]
+    params = [model.weight_ih, model.weight_hh, model.bias_ih, model.bias_hh]
+    for p in params:
+        p.grad = None
+    (model(x) ** 2).mean().backward()
+    err = bc.grad_error([p.grad for p in params], exact)
+    for p in params:
+        p.grad = None
+    return err
 
 
 def build(a, comm=None):
@@ -133,35 +188,49 @@ def step_work(stats, tau_s, tau_b):
     return S * tau_s + C * tau_b[near], I / C
 
 
-def run_mgrit(a, model, x, comm=None):
-    """Time the forward on this rank's communicator; returns (time, W_r, mean batch, h_N)."""
-    with torch.no_grad():
-        t = median_time(lambda: model(x), a.reps, comm)
-        h = model(x)
-    st = model.last_forward.stats
-    mean_b = st.steps_batched_items / max(1, st.steps_batched_calls)
-    tau_s, tau_b = step_costs(model, x, [mean_b], a.reps)
-    W, _ = step_work(st, tau_s, tau_b)
-    return t, W, tau_s, h
-
-
 def worker(a):
     """The 2-rank part (under mpiexec): one JSON list of per-length results on rank 0."""
     comm = MPI.COMM_WORLD
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
-    out = []
+    out, rank = [], comm.Get_rank()
+    comp = {}
     for n in a.lengths:
         model, x = build(a, comm), inputs(a, n)
-        t, W, tau_s, h = run_mgrit(a, model, x, comm)
+        gru = model.to_gru()
+        shard = x[torch.tensor_split(torch.arange(a.batch), comm.Get_size())[rank]]
+        if not comp and not a.no_compile:  # compiled once per process (shapes: recompiled)
+            f0, n0 = compiled_gru(model.to_gru(), x, rank == 0)
+            n0 = comm.bcast(n0, root=0)
+            fd, nd = compiled_gru(model.to_gru(), shard, True)
+            got = comm.allgather((fd is not None, nd))
+            bad = [m for ok, m in got if not ok]
+            comp = {"f0": f0 if not n0.startswith("does not") else None, "n0": n0,
+                    "fd": None if bad else fd, "nd": bad[0] if bad else nd}
+        with torch.no_grad():
+            opts = {"MGRIT 2 ranks": lambda: model(x),
+                    "nn.GRU, rank 0 alone": lambda: gru(x) if rank == 0 else None,
+                    "data parallel nn.GRU": lambda: gru(shard)}
+            if comp.get("f0") is not None or (comp and not comp["n0"].startswith("does not")):
+                c0 = comp.get("f0")
+                opts["nn.GRU compiled, rank 0 alone"] = lambda: c0(x) if rank == 0 else None
+            if comp.get("fd") is not None:
+                cd = comp["fd"]
+                opts["data parallel nn.GRU compiled"] = lambda: cd(shard)
+            times = bc.interleave({k: steady(f, comm) for k, f in opts.items()}, a.reps)
+            h = model(x)
+        st = model.last_forward.stats
+        tau_s, tau_b = step_costs(model, x, [st.steps_batched_items / max(1, st.steps_batched_calls)], 3)
+        W, _ = step_work(st, tau_s, tau_b)
         Ws = comm.gather(W, root=0)
         tau0 = comm.bcast(tau_s, root=0)
         h_last = comm.bcast(h if model.is_last else None, root=comm.Get_size() - 1)
-        if comm.Get_rank() == 0:
-            ref = model.to_gru()(x)[1][0].detach()
+        if rank == 0:
+            ref = gru(x)[1][0].detach()
             err = float((h_last - ref).norm() / ref.norm())
-            out.append(dict(n=n, time=t, W=Ws, tau_s=tau0, err=err,
-                            bound=n * tau0 / max(Ws)))
+            out.append(dict(n=n, times=times, W=Ws, tau_s=tau0, err=err, bound=n * tau0 / max(Ws),
+                            compile={"rank 0": comp.get("n0", "not run (--smoke / --no-compile)"),
+                                     "data parallel": comp.get("nd", "not run (--smoke / --no-compile)")}))
     if comm.Get_rank() == 0:
         Path(a.worker).write_text(json.dumps(out))
 
@@ -188,52 +257,94 @@ def main(argv=None):
         return worker(a)
     torch.set_default_dtype(getattr(torch, a.dtype))
     torch.set_num_threads(1)
+    meta = run_metadata(["experiments/benchmarks/bench_gru.py", *argv], world_size=1)
     two = {} if a.no_two_ranks else two_ranks(a, argv)
-    rows = []
+    rows, ret, samples, sections, v1, v2 = [], [], {}, [], [], []
+    comp, note = None, None
     for n in a.lengths:
         model, x = build(a), inputs(a, n)
         gru = model.to_gru()
+        if note is None:  # compiled once (another length: a fast recompile)
+            comp, note = compiled_gru(model.to_gru(), x, not a.no_compile)
         cell = nn.GRUCell(a.input, a.hidden)
         cell.load_state_dict({k: v for k, v in model.state_dict().items()})
+        gerr = grad_error(a, model, x)
         with torch.no_grad():
             def cell_loop():
                 h = torch.zeros(a.batch, a.hidden)
                 for t in range(n):
                     h = cell(x[:, t], h)
                 return h
-            t_cell = median_time(cell_loop, a.reps)
-            t_gru = median_time(lambda: gru(x), a.reps)
+            opts = {"GRUCell loop": cell_loop, "nn.GRU": lambda: gru(x),
+                    **({"nn.GRU compiled": lambda: comp(x)} if comp is not None else {}),
+                    "MGRIT 1 rank": lambda: model(x)}
+            T = bc.interleave({k: steady(f) for k, f in opts.items()}, a.reps)
             ref = gru(x)[1][0]
-        t1, W1, tau_s, h1 = run_mgrit(a, model, x)
+            h1 = model(x)
+        st = model.last_forward.stats
+        tau_s, tau_b = step_costs(model, x, [st.steps_batched_items / max(1, st.steps_batched_calls)], 3)
+        W1, _ = step_work(st, tau_s, tau_b)
         err1 = float((h1 - ref).norm() / ref.norm())
         r2 = two.get(n)
-        rows.append([n, 1e3 * t_cell, 1e3 * t_gru, 1e3 * n * tau_s, 1e3 * t1,
-                     t_gru / t1, n * tau_s / W1,
-                     1e3 * r2["time"] if r2 else "-", t_gru / r2["time"] if r2 else "-",
-                     r2["bound"] if r2 else "-", err1, r2["err"] if r2 else "-"])
-        two_txt = f", 2 ranks {r2['time'] * 1e3:.2f} ms" if r2 else ""
-        print(f"N={n}: cell {t_cell * 1e3:.2f} ms, nn.GRU {t_gru * 1e3:.2f} ms, "
-              f"MGRIT 1 rank {t1 * 1e3:.2f} ms{two_txt}")
-    header = ["N", "GRUCell loop (ms)", "nn.GRU (ms)", "chain loop N*tau_s (ms)",
-              "MGRIT 1 rank (ms)", "speedup vs nn.GRU, 1 rank", "bound vs chain loop, 1 rank",
-              "MGRIT 2 ranks (ms)", "speedup vs nn.GRU, 2 ranks", "bound vs chain loop, 2 ranks",
-              "rel. err h_N, 1 rank", "rel. err h_N, 2 ranks"]
+        series = dict(T)
+        if r2:
+            series.update(r2["times"])
+        samples.update({f"N={n} {k}": v for k, v in series.items()})
+        base = ["GRUCell loop", "nn.GRU", "nn.GRU compiled", "nn.GRU, rank 0 alone",
+                "nn.GRU compiled, rank 0 alone", "data parallel nn.GRU",
+                "data parallel nn.GRU compiled"]
+        errs = {"MGRIT 1 rank": f"{err1:.1e} (h_N); gradient {gerr:.1e}",
+                "MGRIT 2 ranks": f"{r2['err']:.1e} (h_N); gradient {gerr:.1e} (1 rank, same options)"
+                if r2 else "-"}
+        lines, best, sp = bc.timing_table(series, base, errors=errs, err_head="error",
+                                          default_err="exact")
+        sections += [f"### N = {n}", "", *lines, "",
+                     f"Bound vs the chain loop: 1 rank {n * tau_s / W1:.2f}x"
+                     + (f", 2 ranks {r2['bound']:.2f}x" if r2 else "") + ".", ""]
+        v1.append((f"N = {n}", sp["MGRIT 1 rank"]))
+        if r2:
+            v2.append((f"N = {n}", sp["MGRIT 2 ranks"]))
+        rows.append([n, *(1e3 * statistics.median(series[k]) if k in series else "-" for k in
+                          ["GRUCell loop", "nn.GRU", "nn.GRU compiled", "MGRIT 1 rank", "MGRIT 2 ranks"]),
+                     sp["MGRIT 1 rank"], sp.get("MGRIT 2 ranks", "-"), err1, gerr])
+        md = {k: statistics.median(v) for k, v in series.items()}
+        ret.append([n, 1e3 * md["GRUCell loop"], 1e3 * md["nn.GRU"], 1e3 * n * tau_s,
+                    1e3 * md["MGRIT 1 rank"], md["nn.GRU"] / md["MGRIT 1 rank"], n * tau_s / W1,
+                    1e3 * md["MGRIT 2 ranks"] if r2 else "-",
+                    md["nn.GRU"] / md["MGRIT 2 ranks"] if r2 else "-", r2["bound"] if r2 else "-",
+                    err1, r2["err"] if r2 else "-", gerr])
+        print(f"N={n}: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in series.items()))
+    header = ["N", "GRUCell loop (ms)", "nn.GRU (ms)", "nn.GRU compiled (ms)", "MGRIT 1 rank (ms)",
+              "MGRIT 2 ranks (ms)", "MGRIT 1 rank vs strongest", "MGRIT 2 ranks vs strongest",
+              "rel. err h_N", "rel. err gradient"]
     setup = (f"batch {a.batch}, input {a.input}, hidden {a.hidden}, {a.dtype}, one thread per "
              f"rank; MGRIT forward: {a.levels} levels, cfactor {a.cfactor}, {a.relax}, "
-             f"{a.iters} cycles (tol 0), coarse 'power', no warm start; median of {a.reps}.")
+             f"{a.iters} cycles (tol 0, inexact), coarse 'power', no warm start. {a.reps} "
+             f"interleaved repeats (A B C A B C ...; each timed call right after an untimed one "
+             f"of the same option): median [IQR] and min-max, raw per-repeat times in "
+             f"`bench_gru.raw.json`. Baselines: the GRUCell loop, nn.GRU and its torch.compile "
+             f"(1 process), and on the 2 ranks of the MGRIT run: nn.GRU eager/compiled on rank 0 "
+             f"alone and data parallelism (each rank nn.GRU eager/compiled on half the batch; a "
+             f"forward: no gradient to average). \"vs strongest\" = median of the fastest "
+             f"baseline (1 and 2 ranks together) / median of the option (> 1: faster). Errors: "
+             f"relative error of h_N against nn.GRU, and of the parameter gradient of "
+             f"mean(h_N^2) (MGRIT forward and adjoint with the same options, cold start) "
+             f"against nn.GRU's autograd, {a.dtype}. torch.compile: {note}"
+             + (f"; 2 ranks: {next(iter(two.values()))['compile']}" if two else "") + ".")
     body = "\n\n".join([
         setup,
+        bc.verdict("MGRIT on 1 rank", v1) + (" " + bc.verdict("MGRIT on 2 ranks", v2) if v2 else ""),
         "Bound: `N tau_s / max_r W_r` with `W_r = S_r tau_s + C_r tau_b(I_r / C_r)` from the "
         "solver's step counts on each rank and the step costs measured here (see the script's "
         "docstring): the best MGRIT can do over the serial loop of the same step, before "
-        "messages and bookkeeping. Speedups are against nn.GRU (the strongest serial baseline).",
-        markdown_table(header, rows)])
+        "messages and bookkeeping.",
+        "## Summary (medians)", markdown_table(header, rows), "## Per length", "\n".join(sections)])
     out = Path(a.out) if a.out else OUT
     out.mkdir(parents=True, exist_ok=True)
-    write_table(out / "bench_gru.md", "GRU forward: serial vs MGRIT parallel in time",
-                run_metadata(["experiments/benchmarks/bench_gru.py", *argv], world_size=1), body)
+    write_table(out / "bench_gru.md", "GRU forward: serial vs MGRIT parallel in time", meta, body)
+    write_raw(out / "bench_gru.raw.json", samples, meta)
     print(f"wrote {out / 'bench_gru.md'}")
-    return rows
+    return ret
 
 
 if __name__ == "__main__":

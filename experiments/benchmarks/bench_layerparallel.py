@@ -20,10 +20,22 @@ forward, T3: MGRIT on 2 ranks vs the lean loop on 1); d the model's predictions 
 configuration of a-c from per-repeat calibrations (T5) and a ping-pong message chain; e Kirby's
 setting from the calibrated model (T4); f memory.
 
+Every timing table (issue 24, item 3; ``experiments/benchmarks/baselines_common.py``): one row
+per option with median [IQR] and min-max over the interleaved repeats, its speed-up over the
+strongest baseline (1 process: nn.Sequential, the lean loop, torch.compile of it; 2 ranks: the
+lean loop and its torch.compile on rank 0 alone, data parallelism with lean / nn.Sequential /
+compiled lean replicas), the gradient error of MGRIT (fixed cycles: inexact) beside its time
+(relative error of the steps' parameter gradient against serial autograd on the same batch,
+cold and warm start, float32 gradients), one verdict sentence per table; the raw per-repeat
+times in ``bench_layerparallel.raw.json`` beside the table.
+
 Usage: ``python experiments/benchmarks/bench_layerparallel.py [--quick]`` writes
-experiments/results/benchmarks/bench_layerparallel.md (``--quick``: N = 64, one repeat, no compile: a
-smoke test of well under a minute on 2 idle cores; full: N = 256, 1024, 4096, 5 repeats, about
-15 minutes on 2 idle cores, of which torch.compile takes a few). The 2-rank part runs as
+experiments/results/benchmarks/bench_layerparallel.md (``--quick``/``--smoke``: N = 64, one
+repeat, no compile: a smoke test of well under a minute on 2 idle cores; full: N = 256, 1024,
+10 interleaved repeats, compiled baselines: estimated 4-5 minutes on 2 idle cores -- 264 s
+before at N = 256, 1024, 4096 with 5 repeats, of which N = 4096 took about three quarters;
+torch.compile about 20 s in the 1-process part and 30 s per 2-rank launch. N = 4096 was dropped
+to keep 10 repeats within the record run's budget). The 2-rank part runs as
 ``mpiexec -n 2 python -m mpi4py experiments/benchmarks/bench_layerparallel_ranks.py``.
 """
 from __future__ import annotations
@@ -44,7 +56,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
-from experiments.benchmarks.bench_layerparallel_report import report  # noqa: E402 (the report half of this script)
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
+from experiments.benchmarks.bench_layerparallel_report import report, raw_samples  # noqa: E402 (the report half of this script)
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf import calibration as cal, netcal, strategies as st  # noqa: E402
@@ -97,6 +110,32 @@ def lp_forward_cold(lp, x, batch=BATCH):
         lp.warm_start = False  # a cold start: the warm state is neither read nor replaced
         lp(x if lp.is_first else None, batch_size=batch)
         lp.warm_start = True
+
+
+def mgrit_grad_error(lp, x, cold: bool, comm=None) -> float:
+    """Relative error ``||g - g_exact|| / ||g_exact||`` (float32 gradients, float64 norms,
+    over all ranks) of the steps' parameter gradient of one MGRIT forward + backward of ``lp``
+    on ``x`` against serial autograd of ``lp.to_serial()`` (the same weights, the same batch).
+    ``cold``: the forward starts from zero states (the first step of training); otherwise from
+    ``lp``'s warm state (the previous training step's states, as in the timed steps). No
+    optimizer step; ``lp``'s gradients are cleared afterwards. Collective with ``comm``."""
+    lo, n = lp.first, len(lp.steps)
+    serial = lp.to_serial()  # copies of the current weights, on every rank (collective)
+    loss_fn(serial(x)).backward()
+    exact = [p.grad for l in list(serial)[lo:lo + n] for p in l.F.parameters()]
+    mine = [p for s in lp.steps for p in s.parameters()]
+    for p in lp.parameters():
+        p.grad = None
+    lp.warm_start = not cold
+    try:
+        out = lp(x if lp.is_first else None, batch_size=x.shape[0])
+        (loss_fn(out) if lp.is_last else out.sum()).backward()
+    finally:
+        lp.warm_start = True
+    err = bc.grad_error([p.grad for p in mine], exact, comm)
+    for p in lp.parameters():
+        p.grad = None
+    return err
 
 
 def compile_fns(lean, block, enabled):
@@ -171,6 +210,7 @@ def single_process(N, ms, reps, relax, compiled, clock, cal_reps):
     lp = lps[best_m]
     stats_a = lp.last_forward.stats.as_dict()
     o_s, o_l, o_e = (torch.optim.SGD(p, LR) for p in (net.parameters(), lp.parameters(), exact.parameters()))
+    gerr = {"cold": mgrit_grad_error(lp, x, cold=True)}
     lp.warm_start = True
     lp.set_warm_state(None)
     ta = {"seq": lambda: serial_train_step(net, x, o_s), "lean": lambda: lean_t.train_step(x, LR),
@@ -185,8 +225,9 @@ def single_process(N, ms, reps, relax, compiled, clock, cal_reps):
             train[k].append(steady(timed, fn))
         t_opt = timed(o_l.step)
         cals.append(calibrate_repeat(lp, exact, net, x, best_m, clock, lean, cal_reps, t_opt))
+    gerr["warm"] = mgrit_grad_error(lp, x, cold=False)
     kern = netcal.kernel_cost(WIDTH, BATCH, repeats=max(cal_reps, 3), clock=clock)
-    return dict(N=N, ms=ms, best_m=best_m, fwd=fwd, train=train, err=err, stats=stats_a, cal=cals,
+    return dict(N=N, ms=ms, best_m=best_m, fwd=fwd, train=train, err=err, gerr=gerr, stats=stats_a, cal=cals,
                 compile=cnote, kernel=[kern.single, kern.call, kern.item],
                 mem=memory_one(net, lp, x, o_l))
 
@@ -224,7 +265,7 @@ def memory_one(net, lp, x, opt):
 
 
 # -- two ranks -----------------------------------------------------------------------------------
-def run_two_ranks(N, m, reps, relax, cal_reps):
+def run_two_ranks(N, m, reps, relax, cal_reps, compiled):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p2.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -233,7 +274,7 @@ def run_two_ranks(N, m, reps, relax, cal_reps):
         cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py",
                str(ROOT / "experiments" / "benchmarks" / "bench_layerparallel_ranks.py"), "--layers", str(N),
                "--m", str(m), "--repeats", str(reps), "--relax", relax, "--cal-repeats",
-               str(cal_reps), "--out", str(path)]
+               str(cal_reps), "--out", str(path), *(["--compile"] if compiled else [])]
         subprocess.run(cmd, env=env, check=True, timeout=3600)
         return json.loads(path.read_text())
 
@@ -241,9 +282,10 @@ def run_two_ranks(N, m, reps, relax, cal_reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: N = 64, 1 repeat, no compile")
+    ap.add_argument("--smoke", action="store_true", help="the same as --quick")
     ap.add_argument("--layers", type=int, nargs="+", default=None)
     ap.add_argument("--m", type=int, nargs="+", default=[16, 32, 64])
-    ap.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 10 (quick: 1)")
     ap.add_argument("--relax", default="F")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
@@ -251,17 +293,20 @@ def main():
                          "machine) or wall clock. The 2-rank part always uses wall clock.")
     ap.add_argument("--out", default=str(ROOT / "experiments/results/benchmarks/bench_layerparallel.md"))
     a = ap.parse_args()
-    reps = a.repeats or (1 if a.quick else 5)
+    a.quick = a.quick or a.smoke
+    reps = a.repeats or (1 if a.quick else 10)
     cal_reps = 1 if a.quick else 3
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
-    Ns = a.layers or ([64] if a.quick else [256, 1024, 4096])
+    Ns = a.layers or ([64] if a.quick else [256, 1024])
     ms = [16] if a.quick and a.layers is None else a.m
     prov = reporting.run_metadata()  # command, commit, machine, cores, date, load before
     t0 = time.time()
     r1 = {N: single_process(N, [m for m in ms if N // m >= 2], reps, a.relax,
                             not (a.quick or a.no_compile), clock, cal_reps) for N in Ns}
-    r2 = {N: run_two_ranks(N, r1[N]["best_m"], reps, a.relax, cal_reps) for N in Ns}
+    compiled = not (a.quick or a.no_compile)
+    r2 = {N: run_two_ranks(N, r1[N]["best_m"], reps, a.relax, cal_reps, compiled and N % 16 == 0)
+          for N in Ns}
     meta = dict(prov=reporting.finish_metadata(prov),  # the load after the runs
                 minutes=(time.time() - t0) / 60, reps=reps, relax=a.relax, clock=a.clock,
                 machine=f"{platform.node()}, {platform.processor() or platform.machine()}, "
@@ -269,6 +314,7 @@ def main():
     text = report(r1, r2, Ns, meta)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
+    reporting.write_raw(bc.raw_path(a.out), raw_samples(r1, r2, Ns), meta["prov"])
     print(text)
 
 

@@ -25,13 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from experiments.benchmarks.bench_layerparallel import (  # noqa: E402
     BATCH, LR, WIDTH, calibrate_repeat, loss_fn, lp_forward_cold, lp_state_bytes, lp_train_step,
-    make_lp, make_serial, saved_bytes)
+    make_lp, make_serial, mgrit_grad_error, saved_bytes)
 from mgrit import perf  # noqa: E402
 from mgrit.parallel.gradbuckets import GradientBuckets  # noqa: E402
 from mgrit.perf.baselines import GPipe, LeanDataParallel, LeanStage, ModuleStage  # noqa: E402
-from mgrit.perf.lean import LeanResNet  # noqa: E402
+from mgrit.perf.lean import LeanResNet, compiled_forward, compiled_train_step  # noqa: E402
 
 MS = (2, 4, 8)
 
@@ -60,6 +61,9 @@ def main():
     ap.add_argument("--cal-repeats", type=int, default=3)
     ap.add_argument("--relax", default="F")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--compile", action="store_true",
+                    help="also the compiled baselines: torch.compile of the lean loop on rank 0 "
+                         "alone, and compiled lean data parallelism (N divisible by 16)")
     a = ap.parse_args()
     N, m = a.layers, a.m
     torch.set_num_threads(1)
@@ -111,13 +115,30 @@ def main():
         if first:
             fn()
 
+    comp, comp_fwd, notes = {}, {}, {}
+    if a.compile:
+        fn = ffn = note = fnote = None
+        if first:  # serial compiled on rank 0 alone; rank 1 waits for its note
+            lean_c, lean_f = LeanResNet.from_sequential(full), LeanResNet.from_sequential(full)
+            fn, note = bc.try_compile(lambda: compiled_train_step(lean_c, 16),
+                                      lambda f: f(x, 0.0))
+            ffn, fnote = bc.try_compile(lambda: compiled_forward(lean_f, 16), lambda f: f(x))
+        notes["compiled_r0"], notes["compiled_fwd_r0"] = comm.bcast((note, fnote), root=0)
+        if first and fn is not None or not first and not notes["compiled_r0"].startswith("does not"):
+            comp["compiled_r0"] = lambda f=fn: alone(lambda: f(x, LR))
+        if first and ffn is not None or not first and not notes["compiled_fwd_r0"].startswith("does not"):
+            comp_fwd["compiled_fwd_r0"] = lambda f=ffn: alone(lambda: f(x))
+        dfn, notes["dp_compiled"] = bc.compile_lean_dp(LeanResNet.from_sequential(full), comm, shard, 16)
+        if dfn is not None:
+            comp["dp_compiled"] = lambda f=dfn: f(shard, LR)
+    gerr = {"cold": mgrit_grad_error(lp, x, cold=True, comm=comm)}
     train = {"mgrit": lambda: lp_train_step(lp, x, o_l), "exact1": lambda: lp_train_step(exact, x, o_e),
              "lean_r0": lambda: alone(lambda: lean_full.train_step(x, LR)),
-             "dp_lean": lambda: dp_lean.train_step(shard, BATCH * WIDTH, LR), "dp_seq": dp_seq,
+             **comp, "dp_lean": lambda: dp_lean.train_step(shard, BATCH * WIDTH, LR), "dp_seq": dp_seq,
              "chain_seq": lambda: pipe_step(chain_mod, o_c), "chain_lean": lambda: pipe_step(chain_lean),
              **{f"gpipe M={M}": (lambda p=p: pipe_step(p)) for M, p in pipes.items()}}
     fwd = {"mgrit_fwd": lambda: lp_forward_cold(lp, x), "chain_fwd": chain_forward,
-           "lean_fwd_r0": lambda: alone(lambda: lean_full.forward(x))}
+           "lean_fwd_r0": lambda: alone(lambda: lean_full.forward(x)), **comp_fwd}
     for p in [chain_mod, chain_lean, *pipes.values()]:
         p.step(x if first else None, BATCH, mean_sq)  # validated once
     for fn in [*train.values(), *fwd.values()]:
@@ -148,12 +169,13 @@ def main():
         t_opt = clk() - t0
         cals.append(calibrate_repeat(lp, exact, seq, x, m, clk, lean_stage.net, a.cal_repeats,
                                      t_opt))
+    gerr["warm"] = mgrit_grad_error(lp, x, cold=False, comm=comm)
     mem = [saved_bytes(lambda: pipe_step(chain_mod, o_c))]
     lp_train_step(lp, x, o_l)
     mem.append(saved_bytes(lambda: lp(x if first else None, batch_size=BATCH)) + lp_state_bytes(lp))
     out = dict(times=res, stats=comm.gather(fstats, root=0), cal=comm.gather(cals, root=0),
                mem=comm.gather(mem, root=0), comm=[ping.latency, ping.bandwidth],
-               chain_msg=chain_msg, ms=list(MS), N=N, m=m)
+               chain_msg=chain_msg, ms=list(MS), N=N, m=m, gerr=gerr, compile=notes)
     if rank == 0:
         Path(a.out).write_text(json.dumps(out))
     comm.Barrier()

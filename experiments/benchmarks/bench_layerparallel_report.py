@@ -10,6 +10,7 @@ from mgrit.options import MGRITOptions
 from mgrit.perf import calibration as cal, strategies as st
 from mgrit.perf.validation import KIRBY, error_table, kirby_table
 from mgrit.training import report as reporting
+from experiments.benchmarks import baselines_common as bc
 
 BATCH = 64
 med = statistics.median
@@ -109,71 +110,105 @@ def predictions(r1, r2, N, relax):
     return cases, p1, p2
 
 
+def raw_samples(r1, r2, Ns) -> dict:
+    """Every timed series of the run, per repeat (seconds): ``N=<N> 1-process forward|train
+    <option>`` and ``N=<N> 2 ranks <option>`` (for ``report.write_raw``)."""
+    out = {}
+    for N in Ns:
+        out.update({f"N={N} 1-process forward {k}": v for k, v in r1[N]["fwd"].items()})
+        out.update({f"N={N} 1-process train {k}": v for k, v in r1[N]["train"].items()})
+        out.update({f"N={N} 2 ranks {k}": v for k, v in r2[N]["times"].items()})
+    return out
+
+
 def report(r1, r2, Ns, meta) -> str:
-    big = max(Ns)
     L = ["# Layer-parallel benchmarks (`experiments/benchmarks/bench_layerparallel.py`)", "",
          *reporting.meta_lines(meta["prov"]),
          f"- set-up: {meta['machine']}; 1 thread per process; run time {meta['minutes']:.1f} min",
          f"- network: DenseStep width 8, tanh, batch {BATCH}, float32, T = 1, loss mean(out^2), "
          f"SGD lr 1e-3; MGRIT 2 levels, relax {meta['relax']}, forward 2 / backward 1 cycles "
          f"(tol 0, warm start in training); 1-level exact path = forward and adjoint solves with "
-         f"max_levels = 1; medians of {meta['reps']} interleaved repeats; ratios = medians of "
-         f"per-repeat ratios; each timed run in steady state (an untimed run of the same "
+         f"max_levels = 1; {meta['reps']} interleaved repeats (A B C A B C ...): median [IQR] "
+         f"and min-max, raw per-repeat times in `bench_layerparallel.raw.json`; \"vs strongest "
+         f"baseline\" = median of the strongest baseline / median of the option (> 1: faster); "
+         f"T1/T3 = medians of per-repeat ratios; each timed run in steady state (an untimed run of the same "
          f"configuration just before it, as the previous step of a training loop)",
          f"- clock: 1-process parts {'CPU time of the process' if meta['clock'] == 'cpu' else 'wall clock'}; "
          f"2-rank part wall clock, max over ranks, barrier before and after each run", ""]
+    rowsv = {"a": [], "b": [], "c": [], "cf": []}
     L += ["## a. Forward, 1 process (no autograd)", "",
-          "Strongest serial baseline: the lean loop or its torch.compile, whichever is faster per "
-          "repeat. Bound: the lean loop's kernels against batched MGRIT's kernels with zero solver "
-          "overhead (`netcal.kernel_cost` + the replay's operation counts) -- what no solver "
-          "tuning can beat on one core.", "",
-          "| N | nn.Sequential [s] | lean [s] | compiled [s] | MGRIT m [s] | MGRIT vs strongest | bound | MGRIT vs nn.Sequential | rel. error (2 it) |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "Baselines: nn.Sequential, the lean loop and its torch.compile (data parallelism needs "
+          "2 ranks: part c). Bound: the lean loop's kernels against batched MGRIT's kernels with "
+          "zero solver overhead (`netcal.kernel_cost` + the replay's operation counts) -- what no "
+          "solver tuning can beat on one core. Error: relative error of the output (2 cycles, "
+          "cold start) against nn.Sequential, float32.", ""]
     for N in Ns:
         r, f = r1[N], r1[N]["fwd"]
-        strong, _ = strongest(f, ["lean", "compiled"])
         kern = perf.StepCost(*r["kernel"])
-        comp = f"{med(f['compiled']):.4f}" if "compiled" in f else "-"
-        for m in r["ms"]:
-            k = f"mgrit m={m}"
-            ideal = perf.simulate(N, 1, _opts(m, 2, meta["relax"]), tau=kern).critical_path
-            L.append(f"| {N} | {med(f['seq']):.4f} | {med(f['lean']):.4f} | {comp} | "
-                     f"{med(f[k]):.4f} (m={m}) | **{ratio(strong, f[k]):.2f}x** | "
-                     f"{N * kern.single / ideal:.2f}x | {ratio(f['seq'], f[k]):.2f}x | {r['err'][m]:.1e} |")
-    L += ["", "torch.compile: " + "; ".join(f"N = {N}: {r1[N]['compile']}" for N in Ns), ""]
+        lab = {"seq": "nn.Sequential", "lean": "lean loop", "compiled": "torch.compile (lean)"}
+        errs = {f"mgrit m={m}": f"{r['err'][m]:.1e} (output)" for m in r["ms"]}
+        rows, best, sp = bc.timing_table(f, ["seq", "lean", "compiled"], lab, errs,
+                                         err_head="error", default_err="exact")
+        L += [f"N = {N}:", "", *rows, ""]
+        L.append("Bound of MGRIT vs the lean loop: " + ", ".join(
+            f"m = {m}: {N * kern.single / perf.simulate(N, 1, _opts(m, 2, meta['relax']), tau=kern).critical_path:.2f}x"
+            for m in r["ms"]) + ".")
+        L.append("")
+        rowsv["a"] += [(f"N = {N}, m = {m}", sp[f"mgrit m={m}"]) for m in r["ms"]]
+    L += [bc.verdict("MGRIT's forward, 1 process", rowsv["a"]), "",
+          "torch.compile: " + "; ".join(f"N = {N}: {r1[N]['compile']}" for N in Ns), ""]
     L += ["## b. Training step, 1 process (forward + backward + SGD)", "",
-          "| N | m | nn.Sequential [s] | lean [s] | compiled [s] | MGRIT [s] | 1-level exact [s] | "
-          "MGRIT vs strongest (lean/compiled) | MGRIT vs nn.Sequential | exact / nn.Sequential (T1: <= 1.1) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "Baselines: nn.Sequential, the lean loop, torch.compile of the lean loop. Gradient "
+          "error of MGRIT (inexact: fixed cycles): relative error of the steps' parameter "
+          "gradient against serial autograd on the same batch and weights, float32 gradients, "
+          "float64 norms; cold = from zero states (the first training step), warm = from the "
+          "previous step's states (as in the timed steps).", ""]
     for N in Ns:
-        t = r1[N]["train"]
-        strong, who = strongest(t, ["lean", "compiled"])
-        comp = f"{med(t['compiled']):.4f}" if "compiled" in t else "-"
-        L.append(f"| {N} | {r1[N]['best_m']} | {med(t['seq']):.4f} | {med(t['lean']):.4f} | {comp} | "
-                 f"{med(t['mgrit']):.4f} | {med(t['exact1']):.4f} | **{ratio(strong, t['mgrit']):.2f}x** "
-                 f"({who}) | {ratio(t['seq'], t['mgrit']):.2f}x | {ratio(t['exact1'], t['seq']):.2f} |")
-    base = ["lean_r0", "dp_lean", "dp_seq", "chain_seq", "chain_lean", *[f"gpipe M={M}" for M in r2[big]["ms"]]]
+        r, t = r1[N], r1[N]["train"]
+        lab = {"seq": "nn.Sequential", "lean": "lean loop", "compiled": "torch.compile (lean)",
+               "mgrit": f"MGRIT m={r['best_m']}", "exact1": "1-level exact"}
+        g = r.get("gerr", {})
+        errs = {"mgrit": f"cold {g.get('cold', float('nan')):.1e} / warm {g.get('warm', float('nan')):.1e}"}
+        rows, best, sp = bc.timing_table(t, ["seq", "lean", "compiled"], lab, errs)
+        L += [f"N = {N}:", "", *rows, "",
+              f"T1 (1-level exact / nn.Sequential, median of per-repeat ratios, <= 1.1): "
+              f"{ratio(t['exact1'], t['seq']):.2f}", ""]
+        rowsv["b"].append((f"N = {N}", sp["mgrit"]))
+    L += [bc.verdict("MGRIT's training step, 1 process", rowsv["b"]), ""]
+    base = ["lean_r0", "compiled_r0", "dp_lean", "dp_seq", "dp_compiled"]
     L += ["", "## c. Two ranks: training step and forward", "",
-          "Strongest baseline per repeat among: the lean loop on rank 0 alone (the other rank idle), "
-          "data parallelism (lean; nn.Sequential + GradientBuckets), the blocking chain "
-          "(nn.Sequential; lean), GPipe (lean stages, M micro-batches).", "",
-          "| N | lean, 1 rank | DP lean | DP nn.Seq | chain nn.Seq | chain lean | GPipe lean (best M) | "
-          "MGRIT | 1-level exact | MGRIT vs strongest (which) | T3: MGRIT vs lean 1 rank | exact / chain nn.Seq (T1) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "Baselines on the same 2 ranks: the lean loop and its torch.compile on rank 0 alone "
+          "(the other rank idle), data parallelism (lean replicas + one Allreduce; nn.Sequential "
+          "+ GradientBuckets; the compiled lean step on each rank's shard + one Allreduce). "
+          "Also timed: the blocking chain (nn.Sequential; lean), GPipe (lean stages, M "
+          "micro-batches). Gradient error as in b.", ""]
     for N in Ns:
-        T = r2[N]["times"]
-        gk = min((k for k in T if k.startswith("gpipe")), key=lambda k: med(T[k]))
-        strong, who = strongest(T, base)
-        L.append(f"| {N} | {med(T['lean_r0']):.4f} | {med(T['dp_lean']):.4f} | {med(T['dp_seq']):.4f} | "
-                 f"{med(T['chain_seq']):.4f} | {med(T['chain_lean']):.4f} | {med(T[gk]):.4f} ({gk[6:]}) | "
-                 f"{med(T['mgrit']):.4f} | {med(T['exact1']):.4f} | **{ratio(strong, T['mgrit']):.2f}x** ({who}) | "
-                 f"{ratio(T['lean_r0'], T['mgrit']):.2f}x | {ratio(T['exact1'], T['chain_seq']):.2f} |")
-    L += ["", "| N | MGRIT forward [s] | chain forward nn.Seq [s] | lean forward, 1 rank [s] | MGRIT vs lean 1 rank | MGRIT vs chain |",
-          "|---|---|---|---|---|---|"]
-    for N in Ns:
-        T = r2[N]["times"]
-        L.append(f"| {N} | {med(T['mgrit_fwd']):.4f} | {med(T['chain_fwd']):.4f} | {med(T['lean_fwd_r0']):.4f} | "
-                 f"**{ratio(T['lean_fwd_r0'], T['mgrit_fwd']):.2f}x** | {ratio(T['chain_fwd'], T['mgrit_fwd']):.2f}x |")
+        T, r = r2[N]["times"], r2[N]
+        lab = {**LABELS, "compiled_r0": "torch.compile (lean), 1 rank",
+               "dp_compiled": "data parallel, torch.compile (lean)", "mgrit": f"MGRIT m={r['m']}",
+               "exact1": "1-level exact", **{k: k.replace("gpipe", "GPipe, lean,") for k in T if k.startswith("gpipe")}}
+        train = {k: v for k, v in T.items() if k not in ("mgrit_fwd", "chain_fwd", "lean_fwd_r0", "compiled_fwd_r0")}
+        g = r.get("gerr", {})
+        errs = {"mgrit": f"cold {g.get('cold', float('nan')):.1e} / warm {g.get('warm', float('nan')):.1e}"}
+        rows, best, sp = bc.timing_table(train, base, lab, errs)
+        L += [f"N = {N}, training step:", "", *rows, "",
+              f"T3 (MGRIT on 2 ranks vs the lean loop on 1, median of per-repeat ratios): "
+              f"{ratio(T['lean_r0'], T['mgrit']):.2f}x; T1 (1-level exact / chain nn.Seq): "
+              f"{ratio(T['exact1'], T['chain_seq']):.2f}"]
+        notes = r.get("compile") or {}
+        L += ["torch.compile: " + ("; ".join(f"{k}: {v}" for k, v in notes.items()) if notes
+                                   else "not run (--quick / --no-compile)"), ""]
+        rowsv["c"].append((f"N = {N}", sp["mgrit"]))
+        fw = {k: T[k] for k in ("mgrit_fwd", "chain_fwd", "lean_fwd_r0", "compiled_fwd_r0") if k in T}
+        flab = {"mgrit_fwd": f"MGRIT forward m={r['m']}", "chain_fwd": "chain forward, nn.Sequential",
+                "lean_fwd_r0": "lean forward, 1 rank", "compiled_fwd_r0": "torch.compile forward (lean), 1 rank"}
+        ferr = {"mgrit_fwd": f"{r1[N]['err'].get(r['m'], r1[N]['err'].get(str(r['m']), float('nan'))):.1e} (output, 1 process)"}
+        rows, best, sp = bc.timing_table(fw, ["lean_fwd_r0", "compiled_fwd_r0"], flab, ferr,
+                                         err_head="error", default_err="exact")
+        L += [f"N = {N}, forward (no autograd; data parallelism not timed for the forward):", "", *rows, ""]
+        rowsv["cf"].append((f"N = {N}", sp["mgrit_fwd"]))
+    L += [bc.verdict("MGRIT's training step on 2 ranks", rowsv["c"]),
+          bc.verdict("MGRIT's forward on 2 ranks", rowsv["cf"]), ""]
     L += model_part(r1, r2, Ns, meta)
     L += ["## f. Memory per rank (saved-for-backward tensors + MGRIT states + stacked parameters)", "",
           "| N | nn.Sequential 1 rank [KiB] | MGRIT 1 rank [KiB] | chain, per rank [KiB] | MGRIT 2 ranks, per rank [KiB] |",

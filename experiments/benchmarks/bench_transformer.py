@@ -38,9 +38,19 @@ group budget ``TransformerStep.chunk_elements`` (``forward_batched`` applies the
 whose largest intermediate stays within it; "all" = one group), interleaved the same way over
 ``max(3, R // 2)`` repeats, so that the defaults can be checked on the machine at hand.
 
+Against the strongest serial baseline (issue 24, item 3): the same repeats also time the loop
+with each layer ``torch.compile``'d (regional compilation; ``--no-compile`` or ``--smoke`` skip
+it, a compile error is reported by its first line); a table gives loop, compiled loop and
+batched call as median [IQR] (and the batched call's min-max), the batched call's speed-up over
+the faster of the two serial loops, its error against the loop (exact up to round-off: no
+MGRIT cycles here), and a verdict sentence; the raw per-repeat seconds per call are in
+``bench_transformer.raw.json``. Data parallelism does not apply (one process times one rank's
+layers). Full mode: 12 sizes, 10 repeats: estimated 2-3 minutes on 2 idle cores (42 s before
+with 7 repeats and no compile; compiling the layer takes several seconds per size).
+
 Writes ``experiments/results/benchmarks/bench_transformer.md`` (``--out DIR``: ``DIR/bench_transformer.md``).
 Usage: ``OMP_NUM_THREADS=1 python experiments/benchmarks/bench_transformer.py [--smoke] [--causal]
-[--repeats R] [--out DIR]``; the full grid takes a few minutes on an idle core.
+[--repeats R] [--no-compile] [--out DIR]``.
 """
 from __future__ import annotations
 
@@ -57,8 +67,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base folder
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.steps.transformer import LINEAR_KERNELS, TransformerStep  # noqa: E402
-from mgrit.training.report import markdown_table, run_metadata, write_table  # noqa: E402
+from mgrit.training.report import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
 
 LAYERS = 16
 CHUNKS = {"2^16": 2 ** 16, "2^18": 2 ** 18, "2^20": 2 ** 20, "all": 2 ** 62}
@@ -123,7 +134,7 @@ def _groups(module, budgets: dict, batch: int, tokens: int, layers: int) -> dict
 
 
 def measure(d: int, tokens: int, batch: int, layers: int, repeats: int, block: float,
-            causal: bool) -> dict:
+            causal: bool, compile_: bool = False) -> dict:
     """Times of one size (seconds) and the derived speedup, bound and kernel times."""
     H = heads_for(d)
     torch.manual_seed(0)
@@ -139,12 +150,20 @@ def measure(d: int, tokens: int, batch: int, layers: int, repeats: int, block: f
         "o": lambda: tiny[0](xt[0]),
         "o_b": lambda: tiny[0].forward_batched(pt, xt),
     }
+    note = "not run (--smoke / --no-compile)"
+    if compile_:  # regional compilation: one graph of the layer, reused by all 16
+        csteps, note = bc.try_compile(lambda: [torch.compile(s) for s in steps],
+                                      lambda cs: [c(x[b]) for b, c in enumerate(cs)])
+        if csteps is not None:
+            calls["compiled"] = lambda: torch.stack([c(x[b]) for b, c in enumerate(csteps)])
     diff = _rel(calls["batched"](), calls["loop"]())
     inner = {k: _inner(f, block) for k, f in calls.items()}
     times = {k: [] for k in calls}
     ratios = []
+    comp = ["compiled"] if "compiled" in calls else []
     for r in range(repeats):
-        order = ["loop", "batched", "o", "o_b"] if r % 2 == 0 else ["batched", "loop", "o_b", "o"]
+        order = (["loop", *comp, "batched", "o", "o_b"] if r % 2 == 0
+                 else ["batched", *comp, "loop", "o_b", "o"])
         for k in order:
             times[k].append(_per_call(calls[k], inner[k]))
         ratios.append(times["loop"][-1] / times["batched"][-1])
@@ -160,13 +179,16 @@ def measure(d: int, tokens: int, batch: int, layers: int, repeats: int, block: f
     cb = max(med["batched"] - n_groups * med["o_b"], 1e-3 * med["batched"])
     speedup = statistics.median(ratios)
     bound = layers * t / cb
+    strongest, sp = bc.speedups({k: times[k] for k in ("loop", *comp, "batched")},
+                                ["loop", *comp])
     return dict(d_model=d, tokens=tokens, batch=batch, heads=H, t_layer=t,
                 t_batched=med["batched"], n_groups=n_groups, speedup=speedup,
                 ratio_min=min(ratios),
                 ratio_max=max(ratios), o=med["o"], o_b=med["o_b"], share=med["o"] / t,
                 bound=bound, efficiency=speedup / bound, same_compute_bound=t / c,
                 inflation=cb / (layers * c), max_rel_diff=diff,
-                kernels=kern, chunks=chunk,
+                kernels=kern, chunks=chunk, times=times, compile=note,
+                strongest=strongest, vs_strongest=sp["batched"],
                 groups=_groups(template, CHUNKS, batch, tokens, layers))
 
 
@@ -185,6 +207,20 @@ def _tables(rows: list[dict], layers: int) -> str:
     chunk_rows, chunk = _variant_table(rows, "chunks", list(CHUNKS))
     dom = [r for r in rows if r["share"] >= DOMINATED]
     rest = [r for r in rows if r["share"] < DOMINATED]
+    timing = markdown_table(
+        ["d_model", "tokens", "batch", "loop [ms]: median [IQR]", "compiled loop [ms]: median [IQR]",
+         "batched [ms]: median [IQR]", "batched: min-max [ms]", "batched vs strongest (which)",
+         "error (batched vs loop)"],
+        [[r["d_model"], r["tokens"], r["batch"], bc.cell(r["times"]["loop"], 1e3),
+          bc.cell(r["times"]["compiled"], 1e3) if "compiled" in r["times"] else "-",
+          bc.cell(r["times"]["batched"], 1e3),
+          f"{min(r['times']['batched']) * 1e3:.4g}-{max(r['times']['batched']) * 1e3:.4g}",
+          f"{r['vs_strongest']:.2f}x ({'compiled loop' if r['strongest'] == 'compiled' else 'loop'})",
+          f"{r['max_rel_diff']:.1e} (exact up to round-off)"] for r in rows])
+    notes = sorted({r["compile"] for r in rows})
+    verdict = bc.verdict("The batched call (what layer-parallel relaxation runs)",
+                         [(f"{r['d_model']}/{r['tokens']}/{r['batch']}", r["vs_strongest"]) for r in rows],
+                         "the faster of the per-layer loop and its torch.compile")
     lines = [f"Forward of {layers} layers, float32, 1 thread. speedup = median over repeats of "
              f"t_loop / t_batched; t = t_loop / {layers}; o = a per-layer call on a tiny input "
              f"(fixed per-call cost), o_b the same for a batched call, G its layer groups; bound "
@@ -212,7 +248,16 @@ def _tables(rows: list[dict], layers: int) -> str:
                      f"`TransformerStep.{attr} = {getattr(TransformerStep, attr)!r}`.")
     groups = "; ".join(f"{r['d_model']}/{r['tokens']}/{r['batch']}: "
                        + ", ".join(f"{k} -> {g}" for k, g in r["groups"].items()) for r in rows)
-    return ("\n".join(lines) + "\n\n## Batched vs per-layer loop\n\n" + main
+    return ("\n".join(lines) + "\n\n## Against the strongest serial baseline\n\n"
+            + "Every call timed over the same interleaved repeats (loop, compiled loop, batched, "
+            + "o, o_b; the order reversed every other repeat); median [IQR], raw per-repeat "
+            + "seconds per call in `bench_transformer.raw.json`. Compiled loop: "
+            + "`torch.compile` of each layer (regional compilation: one graph reused by the 16 "
+            + "layers). vs strongest = median of the faster of loop / compiled loop / median "
+            + "of the batched call (> 1: faster). One process times one rank's layers: data "
+            + "parallelism does not apply here, and every option is exact (no MGRIT cycles). "
+            + "torch.compile: " + "; ".join(notes) + ".\n\n" + verdict + "\n\n" + timing
+            + "\n\n## Batched vs per-layer loop\n\n" + main
             + "\n\n## Batched call by projection kernel (ms)\n\n" + kern
             + "\n\n## Batched call by layer group budget chunk_elements (ms)\n\n" + chunk
             + f"\n\nLayers per group (d_model/tokens/batch: budget -> group): {groups}.\n")
@@ -232,22 +277,27 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="two tiny sizes, 2 repeats (seconds)")
     ap.add_argument("--causal", action="store_true", help="causal (decoder) layers")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 7)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 10)")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of the rank (default 16)")
     ap.add_argument("--out", default=None, help="results folder (default experiments/results)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the compiled loop (--smoke: always skipped)")
     args = ap.parse_args(argv)
     if args.layers < 1 or (args.repeats is not None and args.repeats < 1):
         ap.error("--layers and --repeats must be >= 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     sizes = SMOKE_SIZES if args.smoke else SIZES
-    repeats = args.repeats or (2 if args.smoke else 7)
+    repeats = args.repeats or (2 if args.smoke else 10)
+    meta = run_metadata(["experiments/benchmarks/bench_transformer.py", *(sys.argv[1:] if argv is None
+                                                                 else argv)])
     block = 0.001 if args.smoke else 0.025
     rows = []
     try:
         with torch.no_grad():
             for d, tokens, batch in sizes:
-                r = measure(d, tokens, batch, args.layers, repeats, block, args.causal)
+                r = measure(d, tokens, batch, args.layers, repeats, block, args.causal,
+                            not (args.smoke or args.no_compile))
                 rows.append(r)
                 print(f"d_model {d:4d} tokens {tokens:3d} batch {batch:3d}: speedup "
                       f"{r['speedup']:.2f} (bound {r['bound']:.2f}, t/(t-o) "
@@ -255,14 +305,15 @@ def main(argv=None) -> list[dict]:
                       f"{r['inflation']:.2f}, diff {r['max_rel_diff']:.1e})", flush=True)
     finally:
         torch.set_num_threads(threads)
-    meta = run_metadata(["experiments/benchmarks/bench_transformer.py", *(sys.argv[1:] if argv is None
-                                                                 else argv)])
     meta.update(torch=torch.__version__, threads=1, layers=args.layers, repeats=repeats,
                 causal=args.causal)
     out = Path(args.out) if args.out else OUT
     out.mkdir(parents=True, exist_ok=True)
     write_table(out / "bench_transformer.md", "Transformer layers: batched vs per-layer forward",
                 meta, _tables(rows, args.layers))
+    write_raw(out / "bench_transformer.raw.json",
+              {f"{r['d_model']}/{r['tokens']}/{r['batch']} {k}": v for r in rows
+               for k, v in r["times"].items()}, meta)
     return rows
 
 

@@ -20,8 +20,15 @@ blocking chain), MGRIT (the planner's configuration and iteration counts, warm s
 training; each timed step right after an untimed one of the same option, as in a training
 loop), and checks that the recommendation is the measured fastest within noise (its
 per-repeat time ratio to the measured fastest has a median <= 1.05 or an interquartile range
-that includes 1). ``--quick``: smaller networks, 2 repeats, 2 probes (a smoke test of about a
-minute on 2 idle cores). Full mode: about 10 minutes on 2 idle cores.
+that includes 1; the planner does not model torch.compile, so this check is over the options it
+plans, and the table also names the fastest of all). Beside them, the compiled baselines
+(torch.compile of the serial model on rank 0 alone, and of each data-parallel replica:
+whole model up to 64 layers, each layer above), 10 interleaved repeats with median [IQR] and
+min-max, the raw per-repeat times (``plan_validation.raw.json``), MGRIT's gradient error
+(cold and warm) and every option's speed-up over the strongest baseline, with a verdict
+sentence. ``--quick``: smaller networks, 2 repeats, 2 probes, no compile (a smoke test of about
+a minute on 2 idle cores). Full mode: estimated 3-4 minutes on 2 idle cores (about 90 s
+before the compiled options and 10 repeats; compile of the three networks about a minute).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 from data import load_dataset  # noqa: E402
+from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.grid import Partition  # noqa: E402
 from mgrit.parallel.gradbuckets import GradientBuckets  # noqa: E402
@@ -134,6 +142,9 @@ def run_options(world, rank, s, repeats):
         o_r.step()
     fns["serial"] = serial_step
     fns["data parallel"] = dp_step
+    notes = {}
+    if s.get("compile"):
+        notes = compiled_options(world, rank, s, x, y, rows, fns)
     st_mod = torch.nn.Sequential(*stage)
     o_p = torch.optim.SGD(st_mod.parameters(), 0.01, momentum=0.9)
     loss = lambda o, j, r: ce(o, y[r]) * (r.stop - r.start) / B  # noqa: E731
@@ -144,9 +155,11 @@ def run_options(world, rank, s, repeats):
             pipe.step(x if rank == 0 else None, B, loss, validate=False)
             o_p.step()
         fns[f"GPipe M={M}"] = gp
+    gerr = {}
     if s.get("mgrit"):
         net = build_model("resnet", config(L, W, B, s["mgrit"]), (784,), 10, comm=world)
         o_m = torch.optim.SGD(net.parameters(), 0.01, momentum=0.9)
+        gerr["cold"] = bc.net_grad_error(net, x, y, ce, world)  # the fresh network's first step
 
         def mg():
             o_m.zero_grad()
@@ -156,16 +169,68 @@ def run_options(world, rank, s, repeats):
     for fn in fns.values():
         fn()
         fn()  # warm-up (MGRIT: the warm start's first states)
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+
+    def timer(fn):
+        def run():
             fn()  # steady state: an untimed step of the same option just before
             world.Barrier()
             t0 = time.perf_counter()
             fn()
             world.Barrier()
-            times[k].append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return times
+            return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        return run
+    times = bc.interleave({k: timer(fn) for k, fn in fns.items()}, repeats)
+    if s.get("mgrit"):
+        gerr["warm"] = bc.net_grad_error(net, x, y, ce, world)  # after the timed steps
+    return {"times": times, "gerr": gerr, "compile": notes}
+
+
+def compiled_options(world, rank, s, x, y, rows, fns) -> dict:
+    """Add the compiled baselines to ``fns``: ``serial compiled`` (rank 0 alone) and ``data
+    parallel compiled`` (each rank its shard + GradientBuckets). ``torch.compile`` of the whole
+    model up to 64 layers; deeper: of each child module (regional compilation: the residual
+    step's graph is compiled once and reused by every layer; compiling 4096 unrolled layers
+    takes minutes). Returns ``{option: note}`` (the compile time, or the first line of its
+    error: then the option is left out, on every rank)."""
+    L, W, B = s["layers"], s["width"], s["batch"]
+    ce = torch.nn.functional.cross_entropy
+
+    def compiled(model):
+        if L <= 64:
+            return torch.compile(model)
+        for m in model:
+            m.compile()
+        return model
+    how = "whole model" if L <= 64 else "each layer (regional)"
+    notes, fn, note = {}, None, None
+    serial = build_model("resnet", config(L, W, B), (784,), 10)
+    o_s = torch.optim.SGD(serial.parameters(), 0.01, momentum=0.9)
+    if rank == 0:
+        fn, note = bc.try_compile(lambda: compiled(serial), lambda f: ce(f(x), y).backward())
+    notes["serial compiled"] = world.bcast(note, root=0)
+    if not notes["serial compiled"].startswith("does not"):
+        def serial_c():
+            if rank == 0:
+                o_s.zero_grad()
+                ce(fn(x), y).backward()
+                o_s.step()
+        fns["serial compiled"] = serial_c
+    replica = build_model("resnet", config(L, W, B), (784,), 10)
+    o_r = torch.optim.SGD(replica.parameters(), 0.01, momentum=0.9)
+    buckets = GradientBuckets(replica.parameters(), world)
+    dfn, dnote = bc.try_compile(lambda: compiled(replica),
+                                lambda f: ce(f(x[rows]), y[rows]).backward())  # no Allreduce yet
+    got = world.allgather((dfn is not None, dnote))
+    bad = [n for ok, n in got if not ok]
+    notes["data parallel compiled"] = bad[0] if bad else dnote
+    if not bad:
+        def dp_c():
+            buckets.zero_grad()
+            ce(dfn(x[rows]), y[rows]).backward()
+            buckets.average()
+            o_r.step()
+        fns["data parallel compiled"] = dp_c
+    return {k: f"{v} ({how})" for k, v in notes.items()}
 
 
 def launch(spec: dict, repeats: int) -> dict:
@@ -190,7 +255,7 @@ def predicted(rec, kind, M=None):
 
 def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> str:
     nets = QUICK if quick else NETWORKS
-    reps = 2 if quick else 5
+    reps = 2 if quick else 10
     t0 = time.time()
     prov = reporting.run_metadata()  # command, commit, machine, cores, date, load before
     comm = perf.CommCost(*launch({}, 1)["comm"])  # ping-pong of this machine's 2 ranks
@@ -206,12 +271,21 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
             m, lv, rx = (v.split("=")[-1].strip() for v in mg.settings["config"].split(","))
             cfg = dict(cfactor=int(m), levels=int(lv), relax=rx, K_f=mg.settings["K_f"],
                        K_b=mg.settings["K_b"])
-        spec[name] = dict(layers=L, width=W, batch=B, gpipe_M=gp.settings["M"], mgrit=cfg)
+        spec[name] = dict(layers=L, width=W, batch=B, gpipe_M=gp.settings["M"], mgrit=cfg,
+                          compile=not quick)
     meas = launch(spec, reps)
     L = ["# Planner validation at P = 2 (`experiments/benchmarks/plan.py --validate" + (" --quick" if quick else "") + "`)", "",
          *reporting.meta_lines(prov),  # + the load after the runs, the flag when loaded
-         f"- timing: {reps} interleaved repeats per option (wall clock, max over the 2 ranks); "
-         f"total {(time.time() - t0) / 60:.1f} min",
+         f"- timing: {reps} interleaved repeats per option (A B C A B C ...; wall clock, max over "
+         f"the 2 ranks): median [IQR] and min-max; raw per-repeat times in "
+         f"`{bc.raw_path(out).name}`; total {(time.time() - t0) / 60:.1f} min",
+         "- baselines: serial (rank 0 alone) and data parallelism (GradientBuckets), eager and "
+         "torch.compile'd (full mode only; `--quick` runs no compile); \"vs strongest\" = "
+         "median of the fastest baseline / median of the option (> 1: faster)",
+         "- gradient error (MGRIT, inexact: fixed cycles): relative error of all parameters' "
+         "gradient against serial autograd of the same weights on the same batch (float32 "
+         "gradients, float64 norms); cold = the fresh network's first step, warm = after the "
+         "timed steps (warm start, as in training)",
          f"- planner: calibrated in 1 process (dedicated-core costs), message cost from this "
          f"machine's ping-pong ({comm.latency * 1e6:.1f} us, {comm.bandwidth / 1e9:.2f} GB/s), "
          f"MGRIT convergence probed on a real mnist5k batch (cold start), gradient error target "
@@ -219,34 +293,57 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
          f"the fastest (`--margin`)",
          "- within noise: the recommended option's per-repeat time ratio to the measured fastest "
          "has a median <= 1.05, or its interquartile range includes 1", ""]
-    verdicts = []
+    verdicts, samples, lp_rows = [], {}, []
     for name, rec in recs.items():
-        T = meas["nets"][name]
+        res = meas["nets"][name]
+        T, gerr, notes = res["times"], res["gerr"], res["compile"]
+        samples.update({f"{name} {k}": v for k, v in T.items()})
         Ld, W, B = nets[name]
-        fastest = min(T, key=lambda k: med(T[k]))
+        planned = {k: v for k, v in T.items() if "compiled" not in k}  # what the planner knows
+        fastest = min(planned, key=lambda k: med(T[k]))
+        fastest_all = min(T, key=lambda k: med(T[k]))
+        best, sp = bc.speedups(T, ["serial", "serial compiled", "data parallel",
+                                   "data parallel compiled"])
+        if "MGRIT" in T:
+            lp_rows.append((name, sp["MGRIT"]))
         label = {"serial": "serial", "data parallel": "data parallel", "MGRIT": "MGRIT"}
         rk = rec.best.kind if rec.best.kind != "GPipe" else f"GPipe M={rec.best.settings['M']}"
         r = [a / b for a, b in zip(T[rk], T[fastest])] if rk in T else [float("inf")]
         q = np.percentile(r, [25, 75])
         ok = med(r) <= 1.05 or q[0] <= 1.0 <= q[1]
         verdicts.append(ok)
+        r_all = [a / b for a, b in zip(T[rk], T[fastest_all])] if rk in T else [float("inf")]
         L += [f"## {name}: N = {Ld}, width {W}, batch {B}", "",
-              f"Recommended: **{rec.best.label}**; measured fastest: **{fastest}** -> "
-              f"{'**PASS**' if ok else '**FAIL**'} (recommended / fastest: median {med(r):.2f}, "
-              f"IQR {q[0]:.2f}-{q[1]:.2f})", "",
-              "| option | measured [s] (median, min-max) | predicted [s] | error |", "|---|---|---|---|"]
+              f"Recommended: **{rec.best.label}**; measured fastest of the planner's options: "
+              f"**{fastest}** -> {'**PASS**' if ok else '**FAIL**'} (recommended / fastest: "
+              f"median {med(r):.2f}, IQR {q[0]:.2f}-{q[1]:.2f}). Fastest of all measured "
+              f"options, compiled included (the planner does not model torch.compile): "
+              f"**{fastest_all}** (recommended / it: median {med(r_all):.2f}).", "",
+              "| option | measured [ms]: median [IQR] | min-max | vs strongest baseline "
+              f"({best}) | gradient error | predicted [ms] | prediction error |",
+              "|---|---|---|---|---|---|---|"]
         for k, v in T.items():
             kind, M = (k.split(" M=")[0], int(k.split("=")[1])) if k.startswith("GPipe") else (k, None)
             p = predicted(rec, label.get(kind, kind), M)
             err = f"{(p - med(v)) / med(v) * 100:+.0f}%" if p else "-"
-            L.append(f"| {k} | {med(v):.4f} ({min(v):.4f}-{max(v):.4f}) | "
-                     f"{'-' if p is None else f'{p:.4f}'} | {err} |")
+            ge = (f"cold {gerr['cold']:.1e} / warm {gerr['warm']:.1e}" if k == "MGRIT"
+                  else "exact")
+            L.append(f"| {k} | {bc.cell(v, 1e3)} | {min(v) * 1e3:.4g}-{max(v) * 1e3:.4g} | "
+                     f"{sp[k]:.2f}x | {ge} | {'-' if p is None else f'{p * 1e3:.4g}'} | {err} |")
+        L += ["", "torch.compile: " + ("; ".join(f"{k}: {v}" for k, v in notes.items())
+                                      if notes else "not run (--quick)"), ""]
         L += ["", "Planner output:", "", rec.report(), ""]
     L.insert(2, f"**Recommendation = measured fastest within noise: {sum(verdicts)} of {len(verdicts)} networks.**")
     L.insert(3, "")
+    L.insert(4, (bc.verdict("Layer-parallel MGRIT (where configured) at P = 2", lp_rows)
+                 if lp_rows else "Layer-parallel MGRIT: not configured for any network (the "
+                 "planner found no MGRIT setting within the gradient error target).")
+             + " (serial, data parallel, eager and compiled: the baselines.)")
+    L.insert(5, "")
     text = "\n".join(L) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    reporting.write_raw(bc.raw_path(out), samples, prov)
     return text
 
 

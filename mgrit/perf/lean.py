@@ -233,9 +233,13 @@ def compiled_forward(net: LeanResNet, block: int = 16, backend: str = "inductor"
     return run
 
 
-def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "inductor"):
+def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "inductor",
+                        grad_hook=None):
     """``fn(x, lr)``: compiled forward (storing) + compiled closed-form backward + SGD on
-    ``net``'s tensors, loss ``mean(out^2)``; as :func:`compiled_forward`."""
+    ``net``'s tensors, loss ``mean(out^2)`` over ``x``'s rows; as :func:`compiled_forward`.
+    ``grad_hook(net)``, when given, runs after the gradients are in ``net.grad_flat`` and
+    before SGD (eager, not compiled): e.g. data parallelism's Allreduce of ``grad_flat`` and
+    its scaling from the shard's mean to the global batch's (default None: nothing)."""
     if block < 1 or net.n_layers % block:
         raise ValueError(f"block={block} must divide N={net.n_layers}")
     fs = torch.compile(_block_forward_store, dynamic=False, backend=backend)
@@ -252,6 +256,8 @@ def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "induct
             g, gW, gb = bw(g, *saved[i], net.WT[lo:lo + block], h)
             net.gWT[lo:lo + block].copy_(gW)
             net.gb[lo:lo + block].copy_(gb)
+        if grad_hook is not None:
+            grad_hook(net)
         net.sgd_step(lr)
         return u
     return run
