@@ -145,6 +145,10 @@ REGISTRY: tuple[Entry, ...] = (
     # script launches its own mpiexec jobs)
     Entry("scaling_replay", "experiments/studies/scaling_replay.py", None, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "h24a (issue 24)"),
+    # issue 24 item 4: the frozen planner's regret on 12 networks drawn at random (P = 2; the
+    # script launches its 2-rank jobs)
+    Entry("plan_unseen", "experiments/benchmarks/plan_unseen.py", None, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "timing", "hP (issue 24)"),
 )
 
 

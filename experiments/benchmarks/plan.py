@@ -106,6 +106,13 @@ def worker(spec_path, out_path):
 
 
 def run_options(world, rank, s, repeats):
+    return time_steps(world, step_fns(world, rank, s), repeats)
+
+
+def step_fns(world, rank, s) -> dict:
+    """``{option: step()}`` of one network spec ``s`` on this rank: serial (rank 0 alone), data
+    parallel, GPipe with ``M = 1`` and ``s["gpipe_M"]`` (or every M of ``s["gpipe_Ms"]``), and
+    MGRIT with ``s["mgrit"]`` (a :func:`mgrit_spec` dict, or None: no MGRIT)."""
     L, W, B = s["layers"], s["width"], s["batch"]
     x, y = batch(B)
     ce = torch.nn.functional.cross_entropy
@@ -137,7 +144,7 @@ def run_options(world, rank, s, repeats):
     st_mod = torch.nn.Sequential(*stage)
     o_p = torch.optim.SGD(st_mod.parameters(), 0.01, momentum=0.9)
     loss = lambda o, j, r: ce(o, y[r]) * (r.stop - r.start) / B  # noqa: E731
-    for M in sorted({1, s["gpipe_M"]}):
+    for M in sorted({1, *s.get("gpipe_Ms", [s.get("gpipe_M", 1)])}):
         pipe = GPipe(ModuleStage(st_mod, (784,) if rank == 0 else (W,), first=rank == 0), world, M)
 
         def gp(pipe=pipe):
@@ -153,6 +160,13 @@ def run_options(world, rank, s, repeats):
             net.loss(net(x), y).backward()
             o_m.step()
         fns["MGRIT"] = mg
+    return fns
+
+
+def time_steps(world, fns: dict, repeats: int) -> dict:
+    """Per-repeat wall clock (max over ranks) of every step of ``fns``: two warm-up calls each,
+    then ``repeats`` interleaved rounds (A B C A B C ...), each timed step right after an
+    untimed one of the same option (MGRIT: the warm start of a training loop)."""
     for fn in fns.values():
         fn()
         fn()  # warm-up (MGRIT: the warm start's first states)
@@ -180,6 +194,14 @@ def launch(spec: dict, repeats: int) -> dict:
         return json.loads(op.read_text())
 
 
+def mgrit_spec(option) -> dict:
+    """The MGRIT settings of a planner option (``settings["config"]`` as ``"m=8, L=3, F"``) as
+    :func:`config` takes them: ``cfactor``, ``levels``, ``relax``, ``K_f``, ``K_b``."""
+    m, lv, rx = (v.split("=")[-1].strip() for v in option.settings["config"].split(","))
+    return dict(cfactor=int(m), levels=int(lv), relax=rx, K_f=option.settings["K_f"],
+                K_b=option.settings["K_b"])
+
+
 def predicted(rec, kind, M=None):
     """The planner's prediction of an option it listed (GPipe with another M: recomputed)."""
     if kind == "GPipe" and M is not None:
@@ -201,11 +223,7 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
         recs[name] = rec
         mg = next((o for o in rec.options if o.kind == "MGRIT"), None)
         gp = next(o for o in rec.options if o.kind == "GPipe")
-        cfg = None
-        if mg is not None:
-            m, lv, rx = (v.split("=")[-1].strip() for v in mg.settings["config"].split(","))
-            cfg = dict(cfactor=int(m), levels=int(lv), relax=rx, K_f=mg.settings["K_f"],
-                       K_b=mg.settings["K_b"])
+        cfg = None if mg is None else mgrit_spec(mg)
         spec[name] = dict(layers=L, width=W, batch=B, gpipe_M=gp.settings["M"], mgrit=cfg)
     meas = launch(spec, reps)
     L = ["# Planner validation at P = 2 (`experiments/benchmarks/plan.py --validate" + (" --quick" if quick else "") + "`)", "",
