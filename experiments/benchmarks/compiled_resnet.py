@@ -2,8 +2,9 @@
 as ``nn.Sequential`` autograd (opening, ``N`` residual steps ``u + h tanh(u W^T + b)``, classifier,
 cross-entropy), with the residual steps' weights stacked (``WT`` ``(N, w, w)``, ``b`` ``(N, w)``)
 and ``torch.compile`` (inductor, ``dynamic=False``) of blocks of ``block`` steps: one compiled
-graph (forward and, through AOTAutograd, backward) reused for every full block and one for the
-remainder, so compile time stays bounded at any depth. Autograd and the optimizer run as usual on
+graph (forward and, through AOTAutograd, backward) reused for every full block, the remainder of
+``N mod block`` steps eager (one graph per batch shape: compile time stays bounded at any
+depth). Autograd and the optimizer run as usual on
 the stacked leaves (:meth:`CompiledResNet.parameters`), so data parallelism over them is the
 ordinary ``GradientBuckets`` pattern.
 
@@ -32,7 +33,8 @@ def residual_block(u, WT, b, h):
 class CompiledResNet(nn.Module):
     """A copy of ``seq`` (``[opening, ResidualStep(DenseStep(Linear, Tanh)) x N, classifier]``,
     as ``build_model("resnet", ...)`` returns; the copy owns new tensors) whose residual steps run
-    through ``torch.compile`` of :func:`residual_block` over blocks of ``block`` steps.
+    through ``torch.compile`` of :func:`residual_block` over blocks of ``block`` steps (the last
+    ``N mod block`` steps eager). ``backend``: ``torch.compile``'s (default inductor).
 
     Raises:
         ValueError: ``seq`` is not of that form (another step, activation or a varying ``h``),
@@ -61,6 +63,9 @@ class CompiledResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u, N = self.opening(x), self.WT.shape[0]
-        for lo in range(0, N, self.block):
+        full = N - N % self.block
+        for lo in range(0, full, self.block):
             u = self._f(u, self.WT[lo:lo + self.block], self.b[lo:lo + self.block], self.h)
+        if full < N:  # the remainder, eager (a second graph would double the compile time)
+            u = residual_block(u, self.WT[full:], self.b[full:], self.h)
         return self.closing(u)

@@ -152,15 +152,22 @@ def step_fns(world, rank, s) -> dict:
             o_p.step()
         fns[f"GPipe M={M}"] = gp
     if s.get("mgrit"):
-        net = build_model("resnet", config(L, W, B, s["mgrit"]), (784,), 10, comm=world)
-        o_m = torch.optim.SGD(net.parameters(), 0.01, momentum=0.9)
-
-        def mg():
-            o_m.zero_grad()
-            net.loss(net(x), y).backward()
-            o_m.step()
-        fns["MGRIT"] = mg
+        fns["MGRIT"] = mgrit_step_fn(world, s, s["mgrit"], x, y)
     return fns
+
+
+def mgrit_step_fn(world, s, mg: dict, x, y):
+    """One layer-parallel MGRIT training step (SGD, momentum 0.9) of network spec ``s`` with
+    the :func:`mgrit_spec` settings ``mg`` on the batch ``x, y``; a closure over its network."""
+    L, W, B = s["layers"], s["width"], s["batch"]
+    net = build_model("resnet", config(L, W, B, mg), (784,), 10, comm=world)
+    o_m = torch.optim.SGD(net.parameters(), 0.01, momentum=0.9)
+
+    def step():
+        o_m.zero_grad()
+        net.loss(net(x), y).backward()
+        o_m.step()
+    return step
 
 
 def time_steps(world, fns: dict, repeats: int) -> dict:

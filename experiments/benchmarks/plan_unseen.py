@@ -157,6 +157,7 @@ def compiled_fns(world, rank, s, backend, block=BLOCK) -> tuple:
     compiled here (the first forward/backward; no collective inside, so a rank's failure is
     agreed on before any step runs) or left out with the failure in ``notes``."""
     torch._dynamo.reset()  # a fresh cache per network: no recompile limit across networks
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
     L, W, B = s["layers"], s["width"], s["batch"]
     x, y = plan.batch(B)
     ce = torch.nn.functional.cross_entropy
@@ -208,8 +209,9 @@ def worker(spec_path, out_path):
     for s in spec["nets"]:
         t0 = time.perf_counter()
         fns = plan.step_fns(world, rank, dict(s, mgrit=None))
+        x, y = plan.batch(s["batch"])
         for key, cfg in s["mgrit"].items():
-            fns[key] = plan.step_fns(world, rank, dict(s, mgrit=cfg, gpipe_Ms=[]))["MGRIT"]
+            fns[key] = plan.mgrit_step_fn(world, s, cfg, x, y)
         cfns, notes = (compiled_fns(world, rank, s, spec["backend"], spec["block"])
                        if spec["compile"] else ({}, {}))
         fns.update(cfns)
