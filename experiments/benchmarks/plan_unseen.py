@@ -45,9 +45,12 @@ quartiles, max, how many within 1.05). The planner never recommends a compiled o
 compiled winner shows up as regret > 1: that is the point of including them.
 
 Full mode: 12 networks, 3 calibrations each, 10 interleaved repeats per option. Estimated run
-time on 2 idle cores: about 12-15 minutes (calibrations ~5 min, inductor compiles ~3 min,
-measurements ~5 min; from the smoke run's timings and the networks' sizes, on a loaded machine;
-the record states its own total). ``--smoke``/``--quick``: 2 tiny networks, 2 calibrations,
+time on 2 idle cores: about 10 minutes (9-12): the 12 calibrations took 80 s of CPU time in one
+process (the 2007-step network 50 s of it), x 3 = 4 min; inductor compiles ~6 s of CPU per
+graph, 2 graphs per network (the data-parallel pair compiles on both ranks at once) = 2.5 min;
+the measurements ~22 steps per option of ~7 options at the networks' step times (sum of the 12
+serial steps ~0.5 s) = 2-3 min; the MPI launches and data loading ~0.5 min (estimated from CPU
+times on a machine loaded 10-12 on 2 cores; the record states its own total). ``--smoke``/``--quick``: 2 tiny networks, 2 calibrations,
 2 repeats, 2 probes, the nominal message cost (no ping-pong launch), ``aot_eager`` compile
 backend over blocks of 2 steps (exercises dynamo and AOTAutograd without inductor's code
 generation), well under a minute on 2 idle cores.
@@ -257,7 +260,7 @@ def calibrate(nets, comm, n_cal, cal_reps, max_probes, grad_tol=0.05) -> list:
         for _ in range(n_cal):
             t0 = time.perf_counter()
             rec = plan.recommend(L, W, B, 2, comm, grad_tol, repeats=cal_reps, max_probes=max_probes)
-            cals.append({"key": option_key(rec.best), "label": rec.best.label,
+            cals.append({"key": option_key(rec.best), "label": rec.best.label, "kind": rec.best.kind,
                          "predicted": {option_key(o): o.time for o in rec.options},
                          "gpipe_M": [o.settings["M"] for o in rec.options if o.kind == "GPipe"],
                          "mgrit": {option_key(o): plan.mgrit_spec(o) for o in rec.options
@@ -307,6 +310,8 @@ def run(smoke: bool, out: Path, n: int, repeats: int, backend: str, compile_: bo
         per_net.append((i, (L, W, B), cs, m, fastest))
     d_all, d_own = distribution(all_r), distribution(own_r)
     changed = [i + 1 for i, (_, _, cs, _, _) in enumerate(per_net) if len({c["key"] for c in cs}) > 1]
+    kind_changed = [i + 1 for i, (_, _, cs, _, _) in enumerate(per_net)
+                    if len({c["kind"] for c in cs}) > 1]
     first = [regret(m["times"], cs[0]["key"])["regret"] for _, _, cs, m, _ in per_net]
     d_first = distribution(first)
     fmt = lambda d: (f"median {d['median']:.2f}, quartiles {d['q1']:.2f}-{d['q3']:.2f}, "  # noqa: E731
@@ -316,7 +321,9 @@ def run(smoke: bool, out: Path, n: int, repeats: int, backend: str, compile_: bo
           f"- against the planner's own options only (no compiled baselines): {fmt(d_own)}",
           f"- first calibration only (one per network, as a user runs it): {fmt(d_first)}",
           f"- the recommendation changed between calibrations on {len(changed)} of {len(nets)} "
-          f"networks{' (' + ', '.join(map(str, changed)) + ')' if changed else ''}",
+          f"networks{' (' + ', '.join(map(str, changed)) + ')' if changed else ''}; its kind "
+          f"(serial / data parallel / GPipe / MGRIT) on {len(kind_changed)}"
+          f"{' (' + ', '.join(map(str, kind_changed)) + ')' if kind_changed else ''}",
           f"- frozen rule: `git hash-object` " + ", ".join(f"{k} {v}" for k, v in ids.items())
           + " (must not be re-tuned on these networks; see the script's docstring)",
           f"- networks: `draw({n})`, seed {SEED}: "
