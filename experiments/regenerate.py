@@ -158,6 +158,10 @@ REGISTRY: tuple[Entry, ...] = (
     # parallel, GPipe, MGRIT with the bias monitor, 2 ranks, 5 seeds (task hT)
     Entry("time_to_accuracy", "experiments/studies/time_to_accuracy.py", 2,
           ("--full", "--out", "{out}"), ("--smoke", "--out", "{out}"), "mixed", "hT (issue 24)"),
+    # issue 24 item 4: the frozen planner's regret on 12 networks drawn at random (P = 2; the
+    # script launches its 2-rank jobs)
+    Entry("plan_unseen", "experiments/benchmarks/plan_unseen.py", None, ("--out", "{out}"),
+          ("--smoke", "--out", "{out}"), "timing", "hP (issue 24)"),
 )
 
 

@@ -114,6 +114,28 @@ def worker(spec_path, out_path):
 
 
 def run_options(world, rank, s, repeats):
+    """``{"times", "gerr", "compile"}`` of network spec ``s``: every option's per-repeat times
+    (:func:`time_steps`), MGRIT's relative gradient error against exact backpropagation on the
+    timed batch before the first step (``cold``) and after the timed steps (``warm``, the warm
+    start of a training loop), and the compiled options' notes."""
+    notes = {}
+    fns = step_fns(world, rank, s, notes)
+    mg, gerr = fns.get("MGRIT"), {}
+    ce = torch.nn.functional.cross_entropy
+    if mg is not None:
+        gerr["cold"] = bc.net_grad_error(mg.net, *mg.batch, ce, world)  # the fresh network
+    times = time_steps(world, fns, repeats)
+    if mg is not None:
+        gerr["warm"] = bc.net_grad_error(mg.net, *mg.batch, ce, world)  # after the timed steps
+    return {"times": times, "gerr": gerr, "compile": notes}
+
+
+def step_fns(world, rank, s, notes: dict | None = None) -> dict:
+    """``{option: step()}`` of one network spec ``s`` on this rank: serial (rank 0 alone), data
+    parallel, with ``s["compile"]`` their ``torch.compile``d versions (:func:`compiled_options`;
+    the compile notes go into ``notes``), GPipe with ``M = 1`` and ``s["gpipe_M"]`` (or every M
+    of ``s["gpipe_Ms"]``), and MGRIT with ``s["mgrit"]`` (a :func:`mgrit_spec` dict, or None:
+    no MGRIT)."""
     L, W, B = s["layers"], s["width"], s["batch"]
     x, y = batch(B)
     ce = torch.nn.functional.cross_entropy
@@ -142,30 +164,43 @@ def run_options(world, rank, s, repeats):
         o_r.step()
     fns["serial"] = serial_step
     fns["data parallel"] = dp_step
-    notes = {}
     if s.get("compile"):
-        notes = compiled_options(world, rank, s, x, y, rows, fns)
+        (notes if notes is not None else {}).update(
+            compiled_options(world, rank, s, x, y, rows, fns))
     st_mod = torch.nn.Sequential(*stage)
     o_p = torch.optim.SGD(st_mod.parameters(), 0.01, momentum=0.9)
     loss = lambda o, j, r: ce(o, y[r]) * (r.stop - r.start) / B  # noqa: E731
-    for M in sorted({1, s["gpipe_M"]}):
+    for M in sorted({1, *s.get("gpipe_Ms", [s.get("gpipe_M", 1)])}):
         pipe = GPipe(ModuleStage(st_mod, (784,) if rank == 0 else (W,), first=rank == 0), world, M)
 
         def gp(pipe=pipe):
             pipe.step(x if rank == 0 else None, B, loss, validate=False)
             o_p.step()
         fns[f"GPipe M={M}"] = gp
-    gerr = {}
     if s.get("mgrit"):
-        net = build_model("resnet", config(L, W, B, s["mgrit"]), (784,), 10, comm=world)
-        o_m = torch.optim.SGD(net.parameters(), 0.01, momentum=0.9)
-        gerr["cold"] = bc.net_grad_error(net, x, y, ce, world)  # the fresh network's first step
+        fns["MGRIT"] = mgrit_step_fn(world, s, s["mgrit"], x, y)
+    return fns
 
-        def mg():
-            o_m.zero_grad()
-            net.loss(net(x), y).backward()
-            o_m.step()
-        fns["MGRIT"] = mg
+
+def mgrit_step_fn(world, s, mg: dict, x, y):
+    """One layer-parallel MGRIT training step (SGD, momentum 0.9) of network spec ``s`` with
+    the :func:`mgrit_spec` settings ``mg`` on the batch ``x, y``; a closure over its network."""
+    L, W, B = s["layers"], s["width"], s["batch"]
+    net = build_model("resnet", config(L, W, B, mg), (784,), 10, comm=world)
+    o_m = torch.optim.SGD(net.parameters(), 0.01, momentum=0.9)
+
+    def step():
+        o_m.zero_grad()
+        net.loss(net(x), y).backward()
+        o_m.step()
+    step.net, step.batch = net, (x, y)  # for the gradient error (run_options)
+    return step
+
+
+def time_steps(world, fns: dict, repeats: int) -> dict:
+    """Per-repeat wall clock (max over ranks) of every step of ``fns``: two warm-up calls each,
+    then ``repeats`` interleaved rounds (A B C A B C ...), each timed step right after an
+    untimed one of the same option (MGRIT: the warm start of a training loop)."""
     for fn in fns.values():
         fn()
         fn()  # warm-up (MGRIT: the warm start's first states)
@@ -179,10 +214,7 @@ def run_options(world, rank, s, repeats):
             world.Barrier()
             return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         return run
-    times = bc.interleave({k: timer(fn) for k, fn in fns.items()}, repeats)
-    if s.get("mgrit"):
-        gerr["warm"] = bc.net_grad_error(net, x, y, ce, world)  # after the timed steps
-    return {"times": times, "gerr": gerr, "compile": notes}
+    return bc.interleave({k: timer(fn) for k, fn in fns.items()}, repeats)
 
 
 def compiled_options(world, rank, s, x, y, rows, fns) -> dict:
@@ -245,6 +277,14 @@ def launch(spec: dict, repeats: int) -> dict:
         return json.loads(op.read_text())
 
 
+def mgrit_spec(option) -> dict:
+    """The MGRIT settings of a planner option (``settings["config"]`` as ``"m=8, L=3, F"``) as
+    :func:`config` takes them: ``cfactor``, ``levels``, ``relax``, ``K_f``, ``K_b``."""
+    m, lv, rx = (v.split("=")[-1].strip() for v in option.settings["config"].split(","))
+    return dict(cfactor=int(m), levels=int(lv), relax=rx, K_f=option.settings["K_f"],
+                K_b=option.settings["K_b"])
+
+
 def predicted(rec, kind, M=None):
     """The planner's prediction of an option it listed (GPipe with another M: recomputed)."""
     if kind == "GPipe" and M is not None:
@@ -266,11 +306,7 @@ def validate(quick: bool, grad_tol: float, out: Path, margin: float = 0.10) -> s
         recs[name] = rec
         mg = next((o for o in rec.options if o.kind == "MGRIT"), None)
         gp = next(o for o in rec.options if o.kind == "GPipe")
-        cfg = None
-        if mg is not None:
-            m, lv, rx = (v.split("=")[-1].strip() for v in mg.settings["config"].split(","))
-            cfg = dict(cfactor=int(m), levels=int(lv), relax=rx, K_f=mg.settings["K_f"],
-                       K_b=mg.settings["K_b"])
+        cfg = None if mg is None else mgrit_spec(mg)
         spec[name] = dict(layers=L, width=W, batch=B, gpipe_M=gp.settings["M"], mgrit=cfg,
                           compile=not quick)
     meas = launch(spec, reps)
