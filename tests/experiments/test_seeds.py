@@ -1,0 +1,53 @@
+"""The bookkeeping of accuracy comparisons over seeds (``experiments/reports/seeds.py``): the
+per-epoch gap table against a hand-computed Student-t interval, and the verdict's cases."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from experiments.reports import seeds
+
+T975_2 = 4.302653  # t_{0.975, 2} (printed tables): 3 seeds
+
+
+def test_gap_rows_are_paired_student_t_intervals_per_epoch():
+    a = np.array([[0.50, 0.80], [0.60, 0.82], [0.70, 0.84]])  # 3 seeds x 2 epochs
+    b = a + np.array([[0.00, 0.01], [0.02, 0.02], [0.04, 0.03]])
+    rows = seeds.gap_rows(a, b, epochs=[3, 4])
+    assert [r[0] for r in rows] == [3, 4]
+    # epoch 3: a = 50, 60, 70 -> mean 60, sd 10; diff = 0, 2, 4 -> mean 2, sd 2 (points)
+    h = T975_2 * 10 / math.sqrt(3)
+    assert rows[0][1] == f"60.0 [{60 - h:.1f}, {60 + h:.1f}]"
+    hd = T975_2 * 2 / math.sqrt(3)
+    assert rows[0][3] == f"+2.0 [{2 - hd:+.1f}, {2 + hd:+.1f}]"
+    # epoch 4: diff = 1, 2, 3 points -> mean 2, sd 1
+    hd = T975_2 * 1 / math.sqrt(3)
+    assert rows[1][3] == f"+2.0 [{2 - hd:+.1f}, {2 + hd:+.1f}]"
+    with pytest.raises(ValueError, match="same"):
+        seeds.gap_rows(a, b[:2])
+    with pytest.raises(ValueError, match="labels"):
+        seeds.gap_rows(a, b, epochs=[1])
+
+
+def test_fmt_one_seed_has_no_interval():
+    assert seeds.fmt_values([0.9], 100, 1, "%") == "90.0% (1 seed, no interval)"
+
+
+@pytest.mark.parametrize("lo, hi, want", [
+    (-0.004, 0.006, "no difference shown (the interval contains 0); within ±1 points"),
+    (-0.030, 0.006, "no difference shown (the interval contains 0); not shown within ±1 points"),
+    (-0.009, -0.001, "lower; within ±1 points"),
+    (-0.050, -0.020, "lower by more than 1 points; not shown within ±1 points"),
+    (0.002, 0.015, "higher; not shown within ±1 points"),
+    (0.020, 0.030, "higher by more than 1 points; not shown within ±1 points"),
+])
+def test_verdict_reads_the_interval(lo, hi, want):
+    d = {"n": 5, "mean": (lo + hi) / 2, "lo": lo, "hi": hi}
+    assert seeds.verdict(d, 1.0) == want
+
+
+def test_verdict_one_seed():
+    d = {"n": 1, "mean": 0.01, "lo": float("nan"), "hi": float("nan")}
+    assert seeds.verdict(d, 1.0).startswith("one seed")
