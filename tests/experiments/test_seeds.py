@@ -51,3 +51,19 @@ def test_verdict_reads_the_interval(lo, hi, want):
 def test_verdict_one_seed():
     d = {"n": 1, "mean": 0.01, "lo": float("nan"), "hi": float("nan")}
     assert seeds.verdict(d, 1.0).startswith("one seed")
+
+
+def test_gru_study_selects_on_the_training_loss_only():
+    """study_gru.select_setting: the setting whose final training loss is closest to serial's
+    (in ratio), first on ties; bad losses are an error."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "experiments" / "studies" / "study_gru.py"
+    spec = importlib.util.spec_from_file_location("study_gru", path)
+    gru = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gru)
+    assert gru.select_setting(0.2, [0.3, 0.21, 0.19]) == 1  # |log 1.05| < |log 0.95|
+    assert gru.select_setting(0.2, [0.1, 0.4]) == 0  # equal ratios: the first
+    for bad in ([], [0.0], [float("nan")]):
+        with pytest.raises(ValueError, match="positive finite"):
+            gru.select_setting(0.2, bad)
