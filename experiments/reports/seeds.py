@@ -38,7 +38,7 @@ def fmt_values(values: Sequence[float], scale: float = 1.0, digits: int = 1, uni
     return fmt(reporting.interval(values), scale, digits, unit)
 
 
-def verdict(diff: dict, margin: float, unit: str = "points", scale: float = 100.0) -> str:
+def verdict(diff: dict, margin: float | None, unit: str = "points", scale: float = 100.0) -> str:
     """What a paired difference's 95% interval (``diff``: :func:`paired_interval` of ``b - a``,
     in the units of the values; ``scale`` converts to ``unit``) supports, against an
     equivalence ``margin`` (in ``unit``):
@@ -48,16 +48,20 @@ def verdict(diff: dict, margin: float, unit: str = "points", scale: float = 100.
     * ``"within +-margin"`` when the whole interval lies inside ``[-margin, margin]``,
       ``"not shown within +-margin"`` otherwise.
 
-    One seed (no interval): ``"one seed: no interval, nothing shown"``."""
+    ``margin=None``: the sign part only. One seed (no interval): ``"one seed: no interval,
+    nothing shown"``."""
     if diff["n"] < 2 or not math.isfinite(diff["lo"]):
         return "one seed: no interval, nothing shown"
     lo, hi = scale * diff["lo"], scale * diff["hi"]
+    m = math.inf if margin is None else margin
     if hi < 0:
-        sign = "lower" + (f" by more than {margin:g} {unit}" if hi < -margin else "")
+        sign = "lower" + (f" by more than {m:g} {unit}" if hi < -m else "")
     elif lo > 0:
-        sign = "higher" + (f" by more than {margin:g} {unit}" if lo > margin else "")
+        sign = "higher" + (f" by more than {m:g} {unit}" if lo > m else "")
     else:
         sign = "no difference shown (the interval contains 0)"
+    if margin is None:
+        return sign
     inside = -margin <= lo and hi <= margin
     eq = (f"within ±{margin:g} {unit}" if inside
           else f"not shown within ±{margin:g} {unit}")

@@ -48,6 +48,11 @@ def test_verdict_reads_the_interval(lo, hi, want):
     assert seeds.verdict(d, 1.0) == want
 
 
+def test_verdict_without_margin_is_the_sign_only():
+    d = {"n": 3, "mean": -0.02, "lo": -0.03, "hi": -0.01}
+    assert seeds.verdict(d, None, "MSE", 1.0) == "lower"
+
+
 def test_verdict_one_seed():
     d = {"n": 1, "mean": 0.01, "lo": float("nan"), "hi": float("nan")}
     assert seeds.verdict(d, 1.0).startswith("one seed")
