@@ -19,7 +19,7 @@ import numpy as np
 
 from mgrit.training import report as reporting
 
-__all__ = ["fmt", "fmt_values", "verdict", "gap_rows", "GAP_HEADER"]
+__all__ = ["fmt", "fmt_values", "verdict", "gap_rows", "checkpoints", "GAP_HEADER"]
 
 
 def fmt(iv: dict, scale: float = 1.0, digits: int = 1, unit: str = "", signed: bool = False) -> str:
@@ -66,6 +66,15 @@ def verdict(diff: dict, margin: float | None, unit: str = "points", scale: float
     eq = (f"within ±{margin:g} {unit}" if inside
           else f"not shown within ±{margin:g} {unit}")
     return f"{sign}; {eq}"
+
+
+def checkpoints(k: int) -> list[int]:
+    """About 8 points spread over ``1..k`` (1-based epochs, passes or iterations) at which a
+    long gap table is printed: ``k`` times 1/30, 1/6, 1/3, 1/2, 2/3, 5/6 and 1, rounded, at
+    least 1, without repeats. Raises :class:`ValueError` for ``k < 1``."""
+    if k < 1:
+        raise ValueError(f"checkpoints({k}): need at least one epoch")
+    return sorted({max(1, round(k * f)) for f in (1 / 30, 1 / 6, 1 / 3, 1 / 2, 2 / 3, 5 / 6, 1)})
 
 
 GAP_HEADER = ["epoch", "{a} mean [95% CI]", "{b} mean [95% CI]", "{b} - {a} [95% CI, paired]"]

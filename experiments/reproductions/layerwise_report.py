@@ -62,11 +62,6 @@ def _diff(s, meta, n, m, ref):
     return st.fmt(d, 100, 1, signed=True) + " points", st.verdict(d, MARGIN)
 
 
-def _passes(k):
-    """The pass counts shown in the gap tables: about 8 spread over 1..k."""
-    return sorted({max(1, round(k * f)) for f in (1 / 30, 1 / 6, 1 / 3, 1 / 2, 2 / 3, 5 / 6, 1)})
-
-
 def gap_tables(s, meta):
     """Markdown: each method's validation metric against end-to-end's at the same budget,
     pass by pass over the training data (paired by seed; sequential's passes are its stages'
@@ -86,7 +81,7 @@ def gap_tables(s, meta):
                 if ka not in s or kb not in s:
                     continue
                 k = min(s[ka].shape[1], s[kb].shape[1])
-                cols = [p - 1 for p in _passes(k)]
+                cols = [p - 1 for p in st.checkpoints(k)]
                 head = ["passes"] + [h.format(a=METHODS[ref], b=METHODS[m])
                                      for h in st.GAP_HEADER[1:]]
                 rows = st.gap_rows(s[ka][:, cols], s[kb][:, cols], scale, dg, [c + 1 for c in cols])

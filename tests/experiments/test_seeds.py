@@ -31,6 +31,13 @@ def test_gap_rows_are_paired_student_t_intervals_per_epoch():
         seeds.gap_rows(a, b, epochs=[1])
 
 
+def test_checkpoints_spread_over_the_run():
+    assert seeds.checkpoints(30) == [1, 5, 10, 15, 20, 25, 30]
+    assert seeds.checkpoints(2) == [1, 2] and seeds.checkpoints(1) == [1]
+    with pytest.raises(ValueError, match="at least one"):
+        seeds.checkpoints(0)
+
+
 def test_fmt_one_seed_has_no_interval():
     assert seeds.fmt_values([0.9], 100, 1, "%") == "90.0% (1 seed, no interval)"
 
