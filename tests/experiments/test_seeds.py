@@ -79,3 +79,14 @@ def test_gru_study_selects_on_the_training_loss_only():
     for bad in ([], [0.0], [float("nan")]):
         with pytest.raises(ValueError, match="positive finite"):
             gru.select_setting(0.2, bad)
+
+
+def test_multilevel_pays_reads_the_paired_interval():
+    """study_multilevel's (b): MG/Opt 'pays' only when the paired interval of its loss minus
+    the inner optimizer's lies below 0."""
+    from experiments.studies.multilevel_report import _pays
+    alone = [1.0, 2.0, 3.0]
+    assert _pays([0.9, 1.88, 2.89], alone) == "yes"  # -0.10, -0.12, -0.11: hi = -0.085
+    assert _pays([1.1, 2.12, 3.11], alone) == "no"
+    assert _pays([0.5, 2.5, 3.0], alone) == "not shown"
+    assert _pays([0.5], [1.0]) == "one seed"
