@@ -220,7 +220,8 @@ def main(argv=None):
         return sweep(a, out, argv)
     # chosen on the training loss of a held-out seed (--smoke: no selection, 2/1 cycles, so
     # that the smoke run stays at 4 short jobs; select_setting has its unit test)
-    label, chosen = (SWEEP[0] if a.smoke else sweep(a, out, argv))
+    label, chosen = (("smoke: no selection, FCF, 2 levels, m=4, 2/1 cycles", CYCLES_2_1)
+                     if a.smoke else sweep(a, out, argv))
     epochs = ["--epochs", str(a.epochs)]
     rows, curves, commands = [], {}, []
     arms = {"serial": [], "chosen": [], "2/1": [], "defaults": []}
