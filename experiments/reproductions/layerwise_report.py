@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from mgrit.training import report as reporting
+from experiments.reports import seeds as st
 from experiments.reports.study_parts import read_part, write_headline
 
 METHODS = {"e2e": "end-to-end", "seq": "sequential (B / (L+1) per stage)", "dgl": "DGL",
@@ -36,12 +37,57 @@ def _fmt(v, kind):
 
 
 def _pm(a, kind):
+    """Mean over seeds [Student-t 95% interval]: accuracy in %, MSE with 4 decimals."""
     a = np.asarray(a, dtype=float)
     if np.all(np.isnan(a)):
         return "not run (needs `loss='mse'` in layerwise)"
-    if kind == "reg":
-        return f"{np.mean(a):.4f} ± {np.std(a):.4f}"
-    return f"{100 * np.mean(a):.1f} ± {100 * np.std(a):.1f}%"
+    return st.fmt_values(a, 1, 4) if kind == "reg" else st.fmt_values(a, 100, 1, "%")
+
+
+#: Equivalence margin of the accuracy verdicts (points), fixed in advance; MSE: sign only.
+MARGIN = 1.0
+
+
+def _diff(s, meta, n, m, ref):
+    """(paired interval text, verdict) of method ``m`` - ``ref`` on the test metric at their
+    selected rates (same seeds: same initial weights), or None when either is missing."""
+    if f"{n}/{m}/selected" not in s or f"{n}/{ref}/selected" not in s:
+        return None
+    (la, a), (lb, b) = selected(s, n, ref, meta["lrs"]), selected(s, n, m, meta["lrs"])
+    if la is None or lb is None or np.any(np.isnan(a)) or np.any(np.isnan(b)):
+        return None
+    d = reporting.paired_interval(a, b)
+    if _kind(n) == "reg":
+        return st.fmt(d, 1, 4, signed=True), "MSE " + st.verdict(d, None, "", 1.0)
+    return st.fmt(d, 100, 1, signed=True) + " points", st.verdict(d, MARGIN)
+
+
+def gap_tables(s, meta):
+    """Markdown: each method's validation metric against end-to-end's at the same budget,
+    pass by pass over the training data (paired by seed; sequential's passes are its stages'
+    epochs, each on the frozen layers' cached features, then the head re-fit)."""
+    out = ["## The gap pass by pass (validation metric, paired by seed)", "",
+           "Validation metric (20 % of the training split; test data is evaluated only at the "
+           "end) after k passes over the training data, at each method's selected rate, mean "
+           "[95% interval] over the seeds and the paired difference to end-to-end at the same "
+           "budget. Sequential after k passes is the network of its current stage with that "
+           "stage's head.", ""]
+    for n in _settings((s, meta)):
+        scale, dg = (1, 4) if _kind(n) == "reg" else (100, 1)
+        for ms in BUDGETS.values():
+            ref = ms[0]
+            for m in ms[1:]:
+                ka, kb = f"{n}/{ref}/curves", f"{n}/{m}/curves"
+                if ka not in s or kb not in s:
+                    continue
+                k = min(s[ka].shape[1], s[kb].shape[1])
+                cols = [p - 1 for p in st.checkpoints(k)]
+                head = ["passes"] + [h.format(a=METHODS[ref], b=METHODS[m])
+                                     for h in st.GAP_HEADER[1:]]
+                rows = st.gap_rows(s[ka][:, cols], s[kb][:, cols], scale, dg, [c + 1 for c in cols])
+                out += [f"**{n}: {METHODS[m]} vs {METHODS[ref]}**", "",
+                        reporting.markdown_table(head, rows), ""]
+    return out
 
 
 def SETTING_DEPTH(name):
@@ -88,7 +134,15 @@ def _accuracy_tables(s, meta):
             mem.append([n, mn, ", ".join(str(v) for v in tps), f"{g('state') / 1024:.1f}",
                         f"{g('activations') / 1024:.1f}", f"{g('cache') / 1024:.1f}",
                         f"{g('total') / 1024:.1f}", g("total") / e2e_total])
-    out += ["## Test metric at each method's selected learning rate (mean ± std over seeds)", "",
+    diffs = []
+    for n in _settings((s, meta)):
+        for bname, ms in BUDGETS.items():
+            for m in ms[1:]:
+                r = _diff(s, meta, n, m, ms[0])
+                if r is not None:
+                    diffs.append([n, bname, f"{METHODS[m]} - {METHODS[ms[0]]}", *r])
+    out += ["## Test metric at each method's selected learning rate (mean [95% interval] over "
+            "seeds)", "",
             "Accuracy (classification) or MSE on standardized targets (peaksreg). The rate is "
             "chosen per setting and method by the mean validation metric (20 % of the training "
             f"split); layer initialization `{meta.get('init', 'default')}` (the same for every "
@@ -97,8 +151,13 @@ def _accuracy_tables(s, meta):
             "layers and the head re-fit) and (L + 1) B (end-to-end (L + 1) B epochs; sequential B "
             "epochs per stage).", "",
             reporting.markdown_table(["setting", "budget", "seeds", "end-to-end", "sequential",
-                                      "DGL"], rows),
-            "", "## Learning-rate sweep: mean validation metric", "",
+                                      "DGL"], rows), "",
+            "Differences to end-to-end at the same budget, paired by seed (the same initial "
+            f"weights), test metric; verdicts from the paired 95% interval (accuracy margin "
+            f"±{MARGIN:g} point, fixed in advance; MSE: the sign only):", "",
+            reporting.markdown_table(["setting", "budget", "difference", "mean [95% CI]",
+                                      "verdict"], diffs),
+            "", *gap_tables(s, meta), "## Learning-rate sweep: mean validation metric", "",
             reporting.markdown_table(["setting", "method"] + [f"lr {v:g}" for v in lrs], sweep), "",
             "## Training memory per method (accounted, KiB; batch of "
             f"{meta['batch_size']}, float32; see experiments/reproductions/layerwise_memory.py)", "",
@@ -156,9 +215,13 @@ def _summary(acc, tim):
                     lr, t = selected(s, n, m, lrs)
                     parts.append(f"{METHODS[m]} {_pm(t, kind)}" + ("" if lr is None else f" (lr {lr:g})"))
             passes = B if bname == "B" else (SETTING_DEPTH(n) + 1) * B
+            diffs = [f"{METHODS[m]} {r[0]} ({r[1]})" for m in ms[1:]
+                     for r in [_diff(s, meta, n, m, ms[0])] if r is not None]
             if parts:
-                L += [f"- **{n}**, {passes} passes ({metric}, {meta['seeds']} seeds): "
-                      + "; ".join(parts) + "."]
+                L += [f"- **{n}**, {passes} passes ({metric}, {meta['seeds']} seeds, mean [95% "
+                      "interval]): " + "; ".join(parts) + "."
+                      + (f" Paired differences to {METHODS[ms[0]]}: " + "; ".join(diffs) + "."
+                         if diffs else "")]
     L += [""]
     for n in _settings(acc):
         names = [x.decode() if isinstance(x, bytes) else str(x) for x in s[f"{n}/memory_names"]]
@@ -201,12 +264,16 @@ def _headline(acc):
         for m in _methods(s, n):
             lr, t = selected(s, n, m, meta["lrs"])
             if lr is not None:
-                cells.append(f"{METHODS[m]} {_pm(t, kind)}")
+                ref = "e2e_long" if m == "seq_long" else "e2e"
+                r = None if m == ref else _diff(s, meta, n, m, ref)
+                cells.append(f"{METHODS[m]} {_pm(t, kind)}"
+                             + ("" if r is None else f" (vs {METHODS[ref]}: {r[0]}, {r[1]})"))
         names = [x.decode() if isinstance(x, bytes) else str(x) for x in s[f"{n}/memory_names"]]
         tot = {nm: float(s[f"{n}/memory/{i}/total"][0]) for i, nm in enumerate(names)}
         rows.append({"claim": f"Kim 2019 (our reading) / DGL vs end-to-end, {n}: sequential "
                               "sub-optimal but saves memory",
-                     "ours": ("; ".join(cells) + f" (tuned lr, {meta['seeds']} seeds; budgets in "
+                     "ours": ("; ".join(cells) + f" (mean [95% interval], lr tuned on validation, "
+                              f"{meta['seeds']} seeds; budgets in "
                               "summary); memory vs end-to-end: "
                               + ", ".join(f"{k} {v / tot['end-to-end']:.2f}x" for k, v in tot.items()
                                           if k != "end-to-end")),

@@ -70,6 +70,14 @@ def test_torchbraid_states_differences(quick):
     s, meta = read_part(d / "results.h5", "run")
     for i, name in enumerate(meta["configs"]):
         assert f"{name} {s[f'cfg{i}/acc'][-1]:.4f}" in summary
+    # over seeds (smoke: 2): the verdict is the paired interval of the stored accuracies
+    from experiments.reports import seeds
+    from mgrit.training.report import paired_interval
+    a, b = s["seeds/serial/acc"], s["seeds/layer/acc"]
+    assert a.shape == b.shape == (len(meta["seeds"]), meta["epochs"]) and len(meta["seeds"]) >= 2
+    d = paired_interval(a[:, -1], b[:, -1])
+    assert f"{seeds.fmt(d, 100, 1, signed=True)} points with the inexact MGRIT forward " \
+           f"({seeds.verdict(d, 1.0)})" in summary
 
 
 def test_pymgrit_same_problem_code(quick):

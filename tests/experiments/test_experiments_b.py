@@ -81,7 +81,16 @@ def test_layerwise_sweep_memory_and_parameters(quick):
     assert "our reading of Kim 2019" in summary
     i = int(s[f"{n}/e2e/selected"][0])
     t = s[f"{n}/e2e/test"][i]
-    assert f"{100 * t.mean():.1f} ± {100 * t.std():.1f}%" in summary
+    from experiments.reports import seeds
+    assert f"end-to-end {seeds.fmt_values(t, 100, 1, '%')}" in summary  # mean [95% interval]
+    j = int(s[f"{n}/dgl/selected"][0])
+    d = seeds.fmt(report_paired(t, s[f"{n}/dgl/test"][j]), 100, 1, signed=True)
+    assert f"DGL {d} points" in summary  # the paired difference to end-to-end
+
+
+def report_paired(a, b):
+    from mgrit.training.report import paired_interval
+    return paired_interval(a, b)
 
 
 def test_gpu_scripts_dry_run(quick):
