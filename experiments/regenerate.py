@@ -315,12 +315,23 @@ def skipped_line(results: Path) -> str:
             + "; ".join(f"`{r['name']}` {r['status'][len('skip '):]}" for r in recs) + ".")
 
 
-def readme_block(results: Path) -> str:
+#: The top README's generated block: the headline rows of the records that answer a user's
+#: first question (is it faster, and is it as accurate), the places we lose included.
+TOP_README = ROOT / "README.md"
+TOP_BEGIN, TOP_END = "<!-- BEGIN GENERATED: results -->", "<!-- END GENERATED: results -->"
+TOP_STUDIES = ("time_to_accuracy", "plan_unseen", "scaling_replay", "mnist_mgrit_vs_serial",
+               "transformers", "kirby2020", "guenther2020")
+
+
+def readme_block(results: Path, names: Sequence[str] | None = None, prefix: str = "") -> str:
     """The generated block of experiments/README.md: every study's headline rows (written by
     the study from its results) with the commit of the run that produced them, then
-    :func:`skipped_line`."""
+    :func:`skipped_line`; with ``names``, only those registry entries' rows, in that order,
+    and no skipped line (the top README's block); ``prefix`` goes before every link (the top
+    README: ``experiments/``)."""
     rows = []
-    for e in REGISTRY:
+    entries = REGISTRY if names is None else [e for n in names for e in REGISTRY if e.name == n]
+    for e in entries:
         # a study folder (results/<name>/headline.json + summary.md) or a benchmark table
         # (results/<name>.headline.json beside results/<name>.md)
         room = results / e.room
@@ -328,9 +339,9 @@ def readme_block(results: Path) -> str:
                         (room / f"{e.name}.headline.json", f"results/{e.room}/{e.name}.md")):
             if f.is_file():
                 h = json.loads(f.read_text())
-                rows += [[f"[{e.name}]({link})", r["claim"], r["ours"], r.get("kind", "measured"),
+                rows += [[f"[{e.name}]({prefix}{link})", r["claim"], r["ours"], r.get("kind", "measured"),
                           ", ".join(h["commits"])] for r in h["rows"]]
-    skipped = skipped_line(results)
+    skipped = skipped_line(results) if names is None else ""
     if not rows:
         return "\n\n".join(x for x in ("No study has written headline.json yet.", skipped) if x)
     table = reporting.markdown_table(["study", "published claim / question", "ours",
@@ -338,13 +349,20 @@ def readme_block(results: Path) -> str:
     return table + (f"\n\n{skipped}" if skipped else "")
 
 
+def _replace_block(path: Path, begin: str, end: str, block: str) -> None:
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no generated block ({begin} ... {end})")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + begin + "\n" + block + "\n" + end + tail)
+
+
 def update_readme(results: Path) -> None:
-    text = README.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README} has no generated block ({BEGIN} ... {END})")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + readme_block(results) + "\n" + END + tail)
+    """Rebuild the generated blocks of experiments/README.md (:func:`readme_block`) and of the
+    top README (the rows of :data:`TOP_STUDIES`)."""
+    _replace_block(README, BEGIN, END, readme_block(results))
+    _replace_block(TOP_README, TOP_BEGIN, TOP_END, readme_block(results, TOP_STUDIES, "experiments/"))
 
 
 def main(argv=None) -> int:

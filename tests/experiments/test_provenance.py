@@ -248,6 +248,10 @@ def test_readme_block_is_built_from_the_stored_records():
     text = rg.README.read_text()
     block = text.split(rg.BEGIN, 1)[1].split(rg.END, 1)[0].strip()
     assert block == rg.readme_block(RESULTS).strip()
+    top = rg.TOP_README.read_text()
+    block = top.split(rg.TOP_BEGIN, 1)[1].split(rg.TOP_END, 1)[0].strip()
+    assert block == rg.readme_block(RESULTS, rg.TOP_STUDIES, "experiments/").strip()
+    assert set(rg.TOP_STUDIES) <= {e.name for e in rg.REGISTRY}
 
 
 def test_top_readme_quotes_the_transformer_records():
