@@ -207,52 +207,21 @@ def test_staged_resnet_shapes_and_serial_keys():
     assert list(net.gather_state_dict()) == list(ser.state_dict())
 
 
-def test_records_report_verdicts(tmp_path):
-    """experiments/records/transformer_records.py's table, summary and headline from run
-    summaries:
-    the verdicts follow the acceptance (1 point, 3%) from the numbers."""
-    records = importlib.import_module("experiments.records.transformer_records")
-    finals = {("vit", "serial"): (0.900, 0.3), ("vit", "mgrit"): (0.885, 0.31),
-              ("staged-resnet", "serial"): (0.950, 0.2), ("staged-resnet", "mgrit"): (0.948, 0.2),
-              ("gpt", "serial"): (0.40, 1.50), ("gpt", "mgrit"): (0.39, 1.53)}
-    for (model, method), (acc, loss) in finals.items():
-        run = tmp_path / "runs" / f"{model}-{method}"
-        run.mkdir(parents=True)
-        world = 2 if method == "mgrit" else 1
-        (run / "summary.json").write_text(json.dumps({
-            "argv": ["experiments/train.py", "--model", model, "--out", str(run)],
-            "world_size": world, "final": {"test_acc": acc, "test_loss": loss, "loss": loss},
-            "times": {"mean_epoch_s": 10.0 * world, "train_s": 20.0 * world},
-            "epochs": {"epoch": [1, 2], "test_acc": [acc, acc],
-                       "fwd_residual_mean": [None, 0.5 if world > 1 else None]},
-            "git_commit": "abc1234", "date": "2026-01-01", "config": {"parameters": 123}}))
-    records.report(tmp_path)
-    summary = (tmp_path / "summary.md").read_text()
-    assert "MGRIT is 1.50 points below serial; target within 1 point -> MISSED by 0.50 points" \
-        in summary
-    assert "MGRIT is 0.20 points below serial; target within 1 point -> met" in summary
-    assert f"{1.53 / math.log(2):.3f} bpc (MGRIT)" in summary
-    assert "+2.00%; target within 3% -> met" in summary
-    table = (tmp_path / "table.md").read_text()
-    assert "| vit | mgrit | 2 | 2 | 123 | 0.3100 | 88.50% | 88.50% |" in table
-    head = json.loads((tmp_path / "headline.json").read_text())
-    assert head["commits"] == ["abc1234"] and len(head["rows"]) == 3
-
-
 @pytest.mark.slow
 def test_records_gpt_job_and_exact_evaluation(tmp_path):
-    """transformer_records.py --smoke, the GPT's layer-parallel run only: the 2-rank job runs,
-    its final checkpoint is evaluated with the exact (serial) forward on the text corpus and
-    then deleted, and the job's load average is kept. The exact evaluation's loss is checked
-    against the run's own validation loss: the smoke run's 3 forward cycles on 4 layers are
-    converged (residual ~1e-7), so the two agree to 1e-4."""
+    """transformer_records.py's GPT layer-parallel run at the smoke size with the 3/2 cycles
+    (one job, ``transformer_records.run``): the 2-rank job runs, its final checkpoint is
+    evaluated with the exact (serial) forward on the text corpus and then deleted, and the
+    job's load average is kept. The exact evaluation's loss is checked against the run's own
+    test loss: 3 forward cycles on 4 layers (2 levels, coarsening factor 2) are converged
+    (residual ~1e-7), so the two agree to 1e-4. (The record's choice, intervals and report:
+    tests/experiments/test_record_seeds.py and test_experiments_b.py.)"""
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable}")
-    p = subprocess.run([sys.executable, "experiments/records/transformer_records.py", "--smoke",
-                        "--only", "gpt", "--method", "mgrit", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    run = tmp_path / "transformers" / "runs" / "gpt-mgrit"
+    tr = importlib.import_module("experiments.records.transformer_records")
+    method = tr.tag("3/2")
+    tr.run("gpt", "ode", 0, method, tmp_path, smoke=True)
+    run = tr.run_dir(tmp_path, "gpt", "ode", 0, method)
     exact = json.loads((run / "exact_eval.json").read_text())
     final = json.loads((run / "summary.json").read_text())["final"]
     assert not (run / "checkpoint.pt").exists()
