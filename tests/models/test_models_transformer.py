@@ -14,7 +14,6 @@ import ast
 import importlib
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
