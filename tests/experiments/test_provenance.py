@@ -164,16 +164,22 @@ FAKE = {"fake_ok": "print('done')",
         "fake_fail": "raise SystemExit(3)"}
 
 
-def test_regenerate_lists_a_script_that_did_nothing_as_skip(tmp_path):
+def _fake_registry(tmp_path) -> tuple:
+    """A registry of the :data:`FAKE` scripts, written under ``tmp_path/benchmarks``."""
     room = tmp_path / "benchmarks"
     room.mkdir()
     registry = []
     for name, code in FAKE.items():
         (room / f"{name}.py").write_text(code + "\n")
         registry.append(rg.Entry(name, str(room / f"{name}.py"), None, (), (), "timing", "test"))
+    return tuple(registry)
+
+
+def test_regenerate_lists_a_script_that_did_nothing_as_skip(tmp_path):
+    registry = _fake_registry(tmp_path)
     out = tmp_path / "out"
     meta = report.run_metadata()
-    records = rg.run_all("full", "all", out, None, 1, registry=tuple(registry))
+    records = rg.run_all("full", "all", out, None, 1, registry=registry)
     rg.write_manifest(out, records, "full", "all", meta)
     manifest = json.loads((out / "manifest.json").read_text())
     recs = {r["name"]: r["status"] for r in manifest["records"]}
@@ -192,13 +198,7 @@ def test_a_record_run_resumes_at_one_commit_and_keeps_every_row(tmp_path):
     """``--resume``'s bookkeeping: rows carry their commit; a second sitting launches only the
     scripts without an ok/skip row at the same commit, and the merged manifest keeps one row
     per script with the sum of the durations as the run time."""
-    room = tmp_path / "benchmarks"
-    room.mkdir()
-    registry = []
-    for name, code in FAKE.items():
-        (room / f"{name}.py").write_text(code + "\n")
-        registry.append(rg.Entry(name, str(room / f"{name}.py"), None, (), (), "timing", "test"))
-    registry = tuple(registry)
+    registry = _fake_registry(tmp_path)
     out = tmp_path / "out"
     first = rg.run_all("full", "all", out, ["fake_ok", "fake_fail"], 1, registry=registry)
     first = [dict(r, part="all") for r in first]
