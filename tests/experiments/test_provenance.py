@@ -30,14 +30,13 @@ from mgrit.training import report
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 
-_R = "regenerated in issue 24's records run"
-_OWN = _R + " (written before its script wrote the metadata block of report.meta_lines)"
+_TWO_COMMITS = "issue 16's before/after table of two commits, not a record run"
 #: Committed results files that lack provenance (written before ``cores`` and ``loadavg_after``
 #: existed, or by a script with its own header). The list only shrinks: a listed file that
 #: passes, or no longer exists, fails the test until it is removed from here.
 KNOWN_STALE = {
-    "records/layerwise_loop/comparison.json": "issue 16's before/after table of two commits, not a record run",
-    "records/layerwise_loop/summary.md": "issue 16's before/after table of two commits, not a record run",
+    "records/layerwise_loop/comparison.json": _TWO_COMMITS,
+    "records/layerwise_loop/summary.md": _TWO_COMMITS,
 }
 
 
@@ -257,7 +256,7 @@ def test_top_readme_quotes_the_transformer_records():
 
 def test_readme_names_the_commit_of_the_manifest():
     """The README's statement of the committed tables names the commit of the stored
-    ``manifest.json`` (the last ``regenerate.py --full``) and of its stated exception."""
+    ``manifest.json`` (the last ``regenerate.py --full``), and every row names the commit it ran at."""
     commit = json.loads((RESULTS / "manifest.json").read_text())["meta"]["commit"]
     text = re.sub(r"\s+", " ", rg.README.read_text())
     stated = re.search(r"`python experiments/regenerate.py --full` at commit `([^`]+)`", text)
