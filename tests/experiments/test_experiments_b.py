@@ -173,7 +173,8 @@ def test_transformer_record_is_generated_from_the_runs(quick):
 
 def test_stateful_records_are_generated_from_the_runs(quick):
     """stateful_records.py (issue 23): the BatchNorm ResNet and the dropout ViT, serial on 1
-    rank and MGRIT on 2 with the same flags and seed; the summary states the runs' accuracies;
+    rank and MGRIT on 2 with the same flags and seed; the summary's gap table states the runs'
+    last-epoch accuracies (one seed: no interval, no verdict);
     the tied study runs (the main job has --tied: the study is ``ok``, not ``skip``)."""
     d = quick[0] / "records" / "batchnorm_dropout"
     summary = (d / "summary.md").read_text()
@@ -184,11 +185,15 @@ def test_stateful_records_are_generated_from_the_runs(quick):
         assert (ser["world_size"], mg["world_size"]) == (1, 2)
         assert ser["config"][flag[0]] == mg["config"][flag[0]] == flag[1]
         assert ser["config"]["seed"] == mg["config"]["seed"] == 0
-        sa, ma = ser["final"]["test_acc"] * 100, mg["final"]["test_acc"] * 100
-        assert f"**{model}**: test accuracy serial {sa:.2f}% (one seed), MGRIT {ma:.2f}%" \
-            in summary
+        sa, ma = ser["epochs"]["test_acc"][-1] * 100, mg["epochs"]["test_acc"][-1] * 100
+        last = len(ser["epochs"]["test_acc"])
+        section = summary.split(f"## {model} (1 seeds: [0])", 1)[1].split("## ", 1)[0]
+        assert (f"| {last} | {sa:.2f}% (n=1, no interval) | {ma:.2f}% (n=1, no interval) | "
+                in section), section
+        assert "Verdict (last epoch, test): MGRIT - serial" in section
+        assert "from one seed: no interval, no verdict" in section
     t = quick[0] / "records" / "tied_resnet"
-    assert (t / "summary.md").is_file()
+    assert "## resnet-tied (1 seeds: [0])" in (t / "summary.md").read_text()
 
 
 def test_help_flags():

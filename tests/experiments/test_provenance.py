@@ -285,3 +285,100 @@ def test_interval_matches_the_student_t_formula_and_refuses_bad_input():
         interval([1.0, 2.0], level=1.5)
     with pytest.raises(ValueError, match="pairs"):
         paired_interval([1.0], [1.0, 2.0])
+
+
+def _git(*args: str) -> str:
+    import subprocess
+    p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                       timeout=60)
+    if p.returncode:
+        raise LookupError(p.stderr.strip())
+    return p.stdout
+
+
+def _pytest_section_only(old: str, new: str) -> bool:
+    """Whether two versions of ``setup.cfg`` differ only in ``[tool:pytest]``."""
+    import configparser
+    cfg = []
+    for text in (old, new):
+        c = configparser.ConfigParser(interpolation=None)
+        c.read_string(text)
+        cfg.append({s: dict(c[s]) for s in c.sections() if s != "tool:pytest"})
+    return cfg[0] == cfg[1]
+
+
+def mixed_record_problems(rows: list) -> list:
+    """What breaks a record whose ``rows`` (manifest rows: ``name``, ``commit``) ran at more
+    than one commit: it holds only when every older row's script ran the code of the newest
+    commit, i.e. between each older commit and the newest the only files that changed are the
+    scripts of the rows rerun at the newest commit (none of them the script of an older row),
+    tests, ``.md`` files, the results, and ``setup.cfg``'s ``[tool:pytest]`` section. Raises
+    LookupError when a commit is not in this clone's history."""
+    commits = sorted({r["commit"] for r in rows})
+    if len(commits) < 2:
+        return []
+    full = {c: _git("rev-parse", "--verify", f"{c}^{{commit}}").strip() for c in commits}
+
+    def descends(a, b):  # b is a descendant of a (or a itself)
+        try:
+            _git("merge-base", "--is-ancestor", full[a], full[b])
+            return True
+        except LookupError:
+            return False
+    newest = [c for c in commits if all(descends(o, c) for o in commits)]
+    if len(newest) != 1:
+        return [f"no commit of {commits} descends from all the others"]
+    newest = newest[0]
+    scripts = {e.name: e.script for e in rg.REGISTRY}
+    rerun = {scripts[r["name"]] for r in rows if r["commit"] == newest}
+    older = {scripts[r["name"]] for r in rows if r["commit"] != newest}
+    out = [f"script with rows at two commits: {f}" for f in sorted(rerun & older)]
+    for c in commits:
+        if c == newest:
+            continue
+        for f in _git("diff", "--name-only", full[c], full[newest]).split():
+            if f in rerun or f.startswith(("tests/", "experiments/results/")) or \
+                    f.endswith(".md"):
+                continue
+            if f == "setup.cfg" and _pytest_section_only(
+                    _git("show", f"{full[c]}:setup.cfg"),
+                    _git("show", f"{full[newest]}:setup.cfg")):
+                continue
+            out.append(f"{f} changed between {c} and {newest}")
+    return out
+
+
+def test_a_record_of_two_commits_differs_only_in_the_rerun_scripts():
+    """The stored manifest: one commit (every row at the manifest's commit), or several that
+    :func:`mixed_record_problems` accepts."""
+    data = json.loads((RESULTS / "manifest.json").read_text())
+    rows = data["records"]
+    commits = sorted({r["commit"] for r in rows})
+    if len(commits) == 1:
+        assert data["meta"]["commit"] == commits[0]
+        return
+    try:
+        assert mixed_record_problems(rows) == []
+    except LookupError as e:  # a clone without the history (e.g. shallow)
+        pytest.skip(f"the record's commits are not in this clone's history: {e}")
+
+
+def test_mixed_record_problems_names_code_that_changed():
+    """Against this repository's history: 48a9d82 -> f3b2e6d changed results, READMEs, tests
+    and setup.cfg's pytest options only (accepted); d8564ac -> 48a9d82 changed library code
+    (refused, naming a file); a script at two commits is refused."""
+    try:
+        _git("rev-parse", "--verify", "d8564ac^{commit}")
+        _git("rev-parse", "--verify", "f3b2e6d^{commit}")
+    except LookupError as e:
+        pytest.skip(f"history not in this clone: {e}")
+    ok = [{"name": "plan", "commit": "48a9d82"}, {"name": "transformers", "commit": "f3b2e6d"}]
+    assert mixed_record_problems(ok) == []
+    changed = _git("diff", "--name-only", "d8564ac", "48a9d82").split()
+    assert any(f.startswith("mgrit/") for f in changed)
+    bad = mixed_record_problems([{"name": "plan", "commit": "d8564ac"},
+                                 {"name": "transformers", "commit": "48a9d82"}])
+    assert any(p.startswith("mgrit/") and "between d8564ac and 48a9d82" in p for p in bad), bad
+    both = mixed_record_problems([{"name": "batchnorm_dropout", "commit": "48a9d82"},
+                                  {"name": "tied_resnet", "commit": "f3b2e6d"}])
+    assert "script with rows at two commits: experiments/records/stateful_records.py" in both
