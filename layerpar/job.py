@@ -44,8 +44,9 @@ from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
 
 __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 
-#: Default parent folder of run directories (``runs/<method>-<timestamp>``).
-RUNS = Path(__file__).resolve().parents[2] / "runs"
+#: Default parent folder of run directories (``runs/<method>-<timestamp>``): ``runs/`` at the
+#: top of the checkout (``layerpar/`` is one level below it; git ignores ``/runs/``).
+RUNS = Path(__file__).resolve().parents[1] / "runs"
 
 #: The ``--optimizer`` choices: name -> ``(parameters, config) -> torch.optim.Optimizer``.
 OPTIMIZERS = {
@@ -156,9 +157,10 @@ def hold_out(data: tuple, fraction: float) -> tuple[tuple, tuple | None]:
     n = len(y)
     k = int(round(fraction * n))
     if k < 1 or k >= n:
+        hint = ("a larger --val-fraction" if k < 1 else "a smaller --val-fraction")
         raise ValueError(f"--val-fraction={fraction} of {n} training samples leaves "
                          f"{k} for validation and {n - k} for training: both need at least "
-                         f"one (use a larger --val-fraction or --limit-train)")
+                         f"one (use {hint} or more training samples: --limit-train)")
     return (x[:n - k], y[:n - k]), (x[n - k:], y[n - k:])
 
 

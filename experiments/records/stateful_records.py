@@ -193,8 +193,16 @@ def main(argv=None) -> int:
                    "'--limit-train 1000 --epochs 2' for a smaller budget (recorded in the "
                    "commands of table.md)")
     a = p.parse_args(argv)
-    base = results_dir(a.study, a.out or OUT)
+    base = Path(a.out or OUT) / a.study  # created below, after --report-only's check
     seeds = a.seeds or ((0,) if a.smoke else SEEDS[a.study])
+    if a.report_only:
+        missing = [str(base / "runs" / f"{model}-s{k}-{m}" / "summary.json")
+                   for model in STUDIES[a.study] for k in seeds for m in METHODS
+                   if not (base / "runs" / f"{model}-s{k}-{m}" / "summary.json").is_file()]
+        if missing:
+            p.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
+                    f"without --report-only first)")
+    base = results_dir(a.study, a.out or OUT)
     if a.study == "tied_resnet" and not has_flag("--tied"):
         return skip("the main job has no --tied flag yet (weight-tied layers, issue 23 item 3); "
                     "rerun after it is merged")

@@ -284,6 +284,22 @@ def main(argv=None) -> int:
     seeds_ = SMOKE_SEEDS if a.smoke else SEEDS
     variants = SMOKE_VARIANTS if a.smoke else tuple(VARIANTS)
     candidates = SMOKE_CANDIDATES if a.smoke else tuple(CANDIDATES)
+    base = Path(a.out or OUT) / STUDY  # created below, after --report-only's check
+    if a.report_only:  # every model's ode runs (the choice), then its other variants' runs
+        missing = []
+        for model in MODELS:
+            need = [(model, "ode", k, m) for k in seeds_
+                    for m in ("serial", *map(tag, candidates))]
+            ode = [run_dir(base, *r) / "summary.json" for r in need]
+            if all(f.is_file() for f in ode):
+                pick, _ = chosen(base, model, seeds_, candidates)
+                need = [(model, v, k, m) for v in variants if v != "ode" for k in seeds_
+                        for m in ("serial", tag(pick))]
+            missing += [str(run_dir(base, *r) / "summary.json") for r in need
+                        if not (run_dir(base, *r) / "summary.json").is_file()]
+        if missing:
+            p.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
+                    f"without --report-only first)")
     base = results_dir(STUDY, a.out or OUT)
     if not a.report_only:
         for model in a.only or MODELS:

@@ -206,6 +206,22 @@ def test_help_flags():
         assert "--report-only" in p.stdout
 
 
+@pytest.mark.parametrize("script, args, first", [
+    ("stateful_records.py", ["--study", "tied_resnet"], "resnet-tied-s0-serial"),
+    ("transformer_records.py", [], "vit-ode-s0-serial")])
+def test_record_report_only_without_runs_is_an_error(tmp_path, script, args, first):
+    """--report-only on a folder without the runs refuses (status 2, the missing runs named)
+    and creates nothing, instead of writing empty tables."""
+    out = tmp_path / "nothing_here"
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / script), *args,
+                        "--report-only", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert "--report-only needs every run; missing" in last and first in last, last
+    assert not out.exists()
+
+
 def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / "compare_mainjob.py"),
                         "--report-only", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,

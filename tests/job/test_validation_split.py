@@ -35,8 +35,13 @@ def test_bad_val_fraction_fails_naming_the_value(value, capsys):
 
 def test_hold_out_refuses_empty_splits():
     x, y = torch.zeros(10, 3), torch.arange(10)
-    with pytest.raises(ValueError, match=r"--val-fraction=0\.01 of 10 training samples leaves 0"):
+    with pytest.raises(ValueError, match=r"--val-fraction=0\.01 of 10 training samples leaves 0 "
+                       r"for validation.*use a larger --val-fraction"):
         hold_out((x, y), 0.01)
+    # no sample left for training: the advice is the other way round
+    with pytest.raises(ValueError, match=r"--val-fraction=0\.9 of 1 training samples leaves 1 "
+                       r"for validation and 0 for training.*use a smaller --val-fraction"):
+        hold_out((x[:1], y[:1]), 0.9)
     with pytest.raises(ValueError, match=r"--val-fraction=1\.0 is not allowed"):
         hold_out((x, y), 1.0)
     assert hold_out((x, y), 0.0) == ((x, y), None)
@@ -98,3 +103,14 @@ def test_validation_callback_equals_plain_evaluation_and_survives_resume(tmp_pat
     assert hist2["val_acc"][:2] == hist["val_acc"] and len(hist2["val_loss"]) == 4
     with pytest.raises(ValueError, match="no samples"):
         Validation((xv[:0], yv[:0]))
+
+
+def test_default_run_folder_is_runs_at_the_top_of_the_checkout():
+    """``runs/<method>-<timestamp>`` (README, ``--help``) lies in the checkout, beside
+    ``setup.py``, where ``.gitignore`` ignores ``/runs/`` -- not in the folder above it."""
+    from pathlib import Path
+
+    from layerpar.job import RUNS
+    root = Path(__file__).resolve().parents[2]
+    assert RUNS == root / "runs"
+    assert (root / "setup.py").is_file() and "/runs/" in (root / ".gitignore").read_text()
