@@ -283,11 +283,14 @@ class MetricsWriter:
         hist = trainer.history or {}
         final = ({k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
                  if hist.get("loss") else None)
-        if hist:
-            self._files(hist)
-        self._summary(trainer, hist or {"epoch": [], "loss": []}, final,
-                      steps=trainer.steps_done, interrupted=report)
-        self.close()
+        try:  # the summary first: an interrupt inside the epoch's own file writing may leave
+            # those files half written, and their rewrite must not cost the summary
+            self._summary(trainer, hist or {"epoch": [], "loss": []}, final,
+                          steps=trainer.steps_done, interrupted=report)
+            if hist:
+                self._files(hist)
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Close ``steps.csv`` and the TensorBoard writer (idempotent)."""
