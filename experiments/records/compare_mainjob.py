@@ -237,13 +237,8 @@ def main(argv=None) -> int:
     seeds_ = SMOKE_SEEDS if a.smoke else SEEDS
     candidates = SMOKE_CANDIDATES if a.smoke else tuple(CANDIDATES)
     if a.report_only:
-        runs = Path(a.out or OUT) / STUDY / "runs"
-        missing = [str(run_dir(runs.parent, k, m) / "summary.json") for k in seeds_
-                   for m in ("serial", *map(tag, candidates))
-                   if not (run_dir(runs.parent, k, m) / "summary.json").is_file()]
-        if missing:
-            p.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
-                    f"without --report-only first)")
+        records.require_runs(p, [run_dir(Path(a.out or OUT) / STUDY, k, m) for k in seeds_
+                                 for m in ("serial", *map(tag, candidates))])
     base = results_dir(STUDY, a.out or OUT)
     if not a.report_only:
         for seed in seeds_:  # the methods of a seed one after the other

@@ -55,6 +55,16 @@ def command(common: list, mgrit: list, method: str, out: Path, smoke: bool = Fal
             "1000000000"]
 
 
+def require_runs(parser, runs) -> None:
+    """``--report-only``'s check: ``parser.error`` (status 2) naming every run directory of
+    ``runs`` without its ``summary.json``, before anything is created or written."""
+    missing = [str(Path(d) / "summary.json") for d in runs
+               if not (Path(d) / "summary.json").is_file()]
+    if missing:
+        parser.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
+                     f"without --report-only first)")
+
+
 def run_job(cmd: list, out: Path) -> None:
     """Run ``cmd`` (from the repository root, one torch thread per rank), with the load average
     before and after it in ``out/load.json``; a run that left a checkpoint gets

@@ -196,12 +196,8 @@ def main(argv=None) -> int:
     base = Path(a.out or OUT) / a.study  # created below, after --report-only's check
     seeds = a.seeds or ((0,) if a.smoke else SEEDS[a.study])
     if a.report_only:
-        missing = [str(base / "runs" / f"{model}-s{k}-{m}" / "summary.json")
-                   for model in STUDIES[a.study] for k in seeds for m in METHODS
-                   if not (base / "runs" / f"{model}-s{k}-{m}" / "summary.json").is_file()]
-        if missing:
-            p.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
-                    f"without --report-only first)")
+        records.require_runs(p, [base / "runs" / f"{model}-s{k}-{m}"
+                                 for model in STUDIES[a.study] for k in seeds for m in METHODS])
     base = results_dir(a.study, a.out or OUT)
     if a.study == "tied_resnet" and not has_flag("--tied"):
         return skip("the main job has no --tied flag yet (weight-tied layers, issue 23 item 3); "

@@ -286,20 +286,12 @@ def main(argv=None) -> int:
     candidates = SMOKE_CANDIDATES if a.smoke else tuple(CANDIDATES)
     base = Path(a.out or OUT) / STUDY  # created below, after --report-only's check
     if a.report_only:  # every model's ode runs (the choice), then its other variants' runs
-        missing = []
-        for model in MODELS:
-            need = [(model, "ode", k, m) for k in seeds_
-                    for m in ("serial", *map(tag, candidates))]
-            ode = [run_dir(base, *r) / "summary.json" for r in need]
-            if all(f.is_file() for f in ode):
-                pick, _ = chosen(base, model, seeds_, candidates)
-                need = [(model, v, k, m) for v in variants if v != "ode" for k in seeds_
-                        for m in ("serial", tag(pick))]
-            missing += [str(run_dir(base, *r) / "summary.json") for r in need
-                        if not (run_dir(base, *r) / "summary.json").is_file()]
-        if missing:
-            p.error(f"--report-only needs every run; missing {', '.join(missing)} (run "
-                    f"without --report-only first)")
+        records.require_runs(p, [run_dir(base, model, "ode", k, m) for model in MODELS
+                                 for k in seeds_ for m in ("serial", *map(tag, candidates))])
+        records.require_runs(p, [run_dir(base, model, v, k, m) for model in MODELS
+                                 for m in ("serial", tag(chosen(base, model, seeds_,
+                                                                candidates)[0]))
+                                 for v in variants if v != "ode" for k in seeds_])
     base = results_dir(STUDY, a.out or OUT)
     if not a.report_only:
         for model in a.only or MODELS:
