@@ -1,6 +1,17 @@
 """Pieces of ``experiments/reproductions/reproduce_guenther.py`` (Günther et al. 2020, SIMODS): one rank's
 share of the Peaks network with the regularized full-batch objective (:class:`Problem`) and the
-L-BFGS optimizer with Armijo backtracking (:func:`lbfgs_armijo`) that drives it."""
+L-BFGS optimizer with Armijo backtracking (:func:`lbfgs_armijo`) that drives it.
+
+The problem's options (attributes of ``args``; the study's values are the defaults, the authors'
+program's values in brackets, selected by ``--authors-config``, see ``guenther_authors``):
+``T`` 1.0 [5.0]; ``layers`` 30 [28 residual layers: their ``nlayers = 30`` counts the opening and
+the classification layer]; ``opening`` ``"dense"`` (trainable ``Linear(2, w) + SmoothReLU``)
+[``"zero"``: ``u0 = (x1, x2, 0, ..., 0)``, no parameters]; ``bias`` ``"channel"`` [``"scalar"``:
+one bias per layer added to every channel]; ``init`` ``"torch"`` [``"glibc"``: ``srand(1)``, every
+parameter ``rand() / RAND_MAX * init_scale`` in the authors' order, ``init_scale`` 1e-3];
+``ddt_form`` ``"h"`` (``gamma_ddt/2 * h * sum |dtheta/h|^2``) [``"plain"``: without the factor h];
+``ddt_gradient`` True [False: the authors' gradient omits the ddt term, its factor
+``gamma_ddt / dt^2`` is stored in an ``int`` in their layer.cpp]."""
 from __future__ import annotations
 
 import math
@@ -13,7 +24,64 @@ from torch.nn import functional as F
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, SmoothReLU
 from mgrit.options import MGRITOptions
 
-__all__ = ["Problem", "lbfgs_armijo"]
+__all__ = ["Problem", "lbfgs_armijo", "ScalarBiasStep", "ZeroOpening", "glibc_rand"]
+
+
+def glibc_rand(seed: int, n: int) -> list:
+    """The first ``n`` values of glibc's ``rand()`` after ``srand(seed)`` (the default
+    ``TYPE_3`` additive feedback generator of ``random_r``: 31 words seeded by the
+    Park-Miller recurrence ``16807 * r mod (2^31 - 1)``, 310 values discarded, then
+    ``r_i = r_{i-31} + r_{i-3} mod 2^32``, output ``r_i >> 1``); ints in ``[0, 2^31 - 1]``."""
+    r = [int(seed) & 0xFFFFFFFF or 1]
+    for i in range(1, 31):
+        hi, lo = divmod(r[i - 1], 127773)
+        word = 16807 * lo - 2836 * hi
+        r.append(word + 2147483647 if word < 0 else word)
+    r += r[0:3]
+    for i in range(34, 344 + n):
+        r.append((r[i - 31] + r[i - 3]) & 0xFFFFFFFF)
+    return [v >> 1 for v in r[344:344 + n]]
+
+
+class AuthorsSmoothReLU(nn.Module):
+    """SmoothReLU as the authors' layer.cpp evaluates it: ``a x^2 + b x + c`` (``a = 1/(4 eta)``,
+    ``b = 1/2``, ``c = eta/4``) for ``|x| < eta``, else ``max(x, 0)``; the same function as
+    :class:`mgrit.nn.SmoothReLU`, rounded as theirs."""
+
+    def __init__(self, eta: float = 0.1):
+        super().__init__()
+        self.eta = eta
+
+    def forward(self, x):
+        e = self.eta
+        quad = (1.0 / (4.0 * e)) * (x * x) + 0.5 * x + e / 4.0
+        return torch.where((x > -e) & (x < e), quad, torch.clamp(x, min=0.0))
+
+
+class ScalarBiasStep(nn.Module):
+    """``F(x) = SmoothReLU(x W^T + b)`` with ONE bias ``b`` per layer added to every channel
+    (the authors' DenseLayer: ``dim_Bias = 1``); ``weight`` ``(w, w)``, ``bias`` ``(1,)``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, width).uniform_(-width ** -0.5, width ** -0.5))
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.act = AuthorsSmoothReLU()
+
+    def forward(self, x):
+        return self.act(F.linear(x, self.weight) + self.bias)
+
+
+class ZeroOpening(nn.Module):
+    """``u0 = (x, 0, ..., 0)``: the features padded with zeros to ``width`` channels, no
+    parameters (the authors' OpenExpandZero, ``weights_open_init = 0``)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x):
+        return F.pad(x, (0, self.width - x.shape[1]))
 
 
 class Problem:
@@ -32,12 +100,17 @@ class Problem:
             fw, bw, warm = MGRITOptions(**kw), MGRITOptions(**kw), True
         self.fw_opts, self.bw_opts = fw, bw
         width = args.width
-        resnet = LayerParallelResNet.build(lambda k: DenseStep(width, "smoothrelu"), N, (width,),
-                                           comm=comm, seed=args.seed, T=1.0, forward=fw,
-                                           backward=bw, warm_start=warm)
+        opt = lambda name, default: getattr(args, name, default)  # noqa: E731
+        self.ddt_form, self.ddt_gradient = opt("ddt_form", "h"), opt("ddt_gradient", True)
+        scalar = opt("bias", "channel") == "scalar"
+        resnet = LayerParallelResNet.build(
+            (lambda k: ScalarBiasStep(width)) if scalar else (lambda k: DenseStep(width, "smoothrelu")),
+            N, (width,), comm=comm, seed=args.seed, T=opt("T", 1.0), forward=fw, backward=bw,
+            warm_start=warm, warm_start_adjoint=warm and opt("warm_adjoint", False))
         torch.manual_seed(args.seed + 7)
-        opening = nn.Sequential(nn.Linear(2, width), SmoothReLU())
-        closing = nn.Linear(width, 5)
+        opening = (ZeroOpening(width) if opt("opening", "dense") == "zero"
+                   else nn.Sequential(nn.Linear(2, width), SmoothReLU()))
+        closing = nn.Linear(width, opt("classes", 5))
         self.net = LayerParallelNet(opening, resnet, closing)
         self.resnet = resnet
         self.h = resnet.h
@@ -47,6 +120,28 @@ class Problem:
         self.params = self.open_params + [p for ps in self.step_params for p in ps] + self.close_params
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.n_eval = 0
+        if opt("init", "torch") == "glibc":
+            self._init_glibc(opt("init_scale", 1e-3))
+
+    def _init_glibc(self, scale):
+        """Every parameter ``rand() / RAND_MAX * scale`` after ``srand(1)``, drawn in the
+        authors' order (opening, layers 0..N-1, classification; each: weights row-major, then
+        bias), the same global vector on every rank."""
+        n_open = sum(p.numel() for p in self.open_params)
+        n_layer = sum(p.numel() for p in self.step_params[0])  # every layer has the same shape
+        n_close = self.comm.bcast(sum(p.numel() for p in self.close_params), root=self.size - 1)
+        n = n_open + self.args.layers * n_layer + n_close
+        design = torch.tensor(glibc_rand(1, n), dtype=torch.float64) / 2147483647.0 * scale
+        first = self.resnet.first
+        parts = [(0, self.open_params)] if self.open_params else []
+        parts += [(n_open + (first + i) * n_layer, ps) for i, ps in enumerate(self.step_params)]
+        if self.close_params:
+            parts.append((n - n_close, self.close_params))
+        with torch.no_grad():
+            for i, ps in parts:
+                for p in ps:
+                    p.copy_(design[i:i + p.numel()].view_as(p))
+                    i += p.numel()
 
     # -- flat local vectors
     def get_flat(self):
@@ -84,13 +179,17 @@ class Problem:
         from_right = self.comm.sendrecv(mine_first, dest=left, source=right)
         chain = ([torch.as_tensor(from_left)] if from_left is not None else []) + local
         h = self.h
-        term = sum(((b - a) / h).pow(2).sum() for a, b in zip(chain[:-1], chain[1:])) * h
+        if not self.ddt_gradient:
+            chain = [c.detach() for c in chain]
+            local = [c.detach() for c in local]
+        w = h if self.ddt_form == "h" else 1.0
+        term = sum(((b - a) / h).pow(2).sum() for a, b in zip(chain[:-1], chain[1:])) * w
         if not isinstance(term, torch.Tensor):
             term = torch.zeros(())
         term = 0.5 * g * term
         value = float(term.detach())
         if from_right is not None:
-            extra = 0.5 * g * h * ((torch.as_tensor(from_right) - local[-1]) / h).pow(2).sum()
+            extra = 0.5 * g * w * ((torch.as_tensor(from_right) - local[-1]) / h).pow(2).sum()
             term = term + extra  # gradient only; its value is counted on the right rank
         return term, value
 
@@ -113,6 +212,10 @@ class Problem:
         if need_grad:
             total.backward()
         J = self.comm.allreduce(local_value, op=MPI.SUM)
+        if getattr(a, "metrics", False):  # (loss, accuracy in %) of this evaluation, every rank
+            self.last_metrics = self.net.from_last(
+                (float(ce.detach()), 100.0 * float((out.argmax(1) == y).double().mean()))
+                if self.net.is_last else None)
         return J, (self.grad_flat() if need_grad else None)
 
     def serial_metrics(self, xs):

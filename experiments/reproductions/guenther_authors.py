@@ -1,0 +1,245 @@
+"""The authors' own program, reproduced digit for digit: ``reproduce_guenther.py --authors-config DIR``.
+
+Günther, Ruthotto, Schroder, Cyr, Gauger (SIMODS 2020) ship reference outputs of their Peaks
+test with their code (github.com/steffi7574/LayerParallelLearning): ``testing/peaks.npt{P}.ml{L}
+.optim.dat`` at commit 311bc40 (20 L-BFGS iterations on P = 1, 2, 5 ranks; ``ml1``: one level,
+``ml10``: XBraid, cfactor 2, two levels, 2 cycles per solve with warm restarts) and
+``testing/peaks.ml{1,10}.optim.ref`` at 4e7af11 (2 iterations; ``ml10`` converged, 15 cycles).
+``DIR`` is a clone of their repository at 311bc40 (``data/``, ``testing/``) or a folder laid out
+as ``shared/data/lpl_peaks`` (``features_training.dat.gz``..., ``ref_311bc40/``, ``ref_4e7af11/``).
+No file of theirs is shipped here.
+
+Pieces: :func:`find_files` / :func:`load_data` / :func:`read_reference` (their files),
+:func:`authors_args` (the reproduction's problem options at the reference's values, read from the
+printed config of each output file), :func:`lbfgs_authors` (their main loop and L-BFGS,
+hessianApprox.cpp / main.cpp: H0 = 1 at iteration 0, ``H0 = s^T y / y^T y`` of the latest pair,
+no curvature test, no restart, backtracking from step 1 by halving with the design updated in
+place, at most ``ls_maxiter`` trials, the objective of a trial by a forward solve only, each
+iteration's row from a fresh forward and adjoint solve), :func:`run_rows` (one run on this
+communicator) and :func:`compare` (the table and the verdict).
+"""
+from __future__ import annotations
+
+import gzip
+import math
+import re
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ("iter", "rnorm", "rnorm_adj", "objective", "loss", "gnorm", "stepsize", "ls_iter",
+           "acc_train", "acc_val")
+COMPARED = ("objective", "loss", "gnorm")  # relative differences; the rest must be equal
+RUNS = [("311bc40", P, L) for L in (1, 10) for P in (1, 2, 5)] + [("4e7af11", 1, 1), ("4e7af11", 1, 10)]
+#: Round-off allowance over the reference's own disagreement between its runs on 1, 2 and 5
+#: ranks (the same algorithm summed in another order): our products and sums are ordered by
+#: BLAS and torch, theirs by loops in C; L-BFGS carries the differences through 20 iterations.
+ALLOWANCE = 10.0
+
+_DATA = {"train_x": ("features_training.dat", "data/Ytrain_orig.dat"),
+         "train_y": ("labels_training.dat", "data/Ctrain_orig.dat"),
+         "val_x": ("features_validation.dat", "data/Yval_orig.dat"),
+         "val_y": ("labels_validation.dat", "data/Cval_orig.dat")}
+
+
+def _first(root: Path, names):
+    for n in names:
+        for cand in (root / n, root / (n + ".gz")):
+            if cand.is_file():
+                return cand
+    return None
+
+
+def find_files(root) -> dict:
+    """Paths of the data and reference files under ``root`` (a clone at 311bc40 or the
+    ``lpl_peaks`` layout). ``FileNotFoundError`` naming what is missing."""
+    root = Path(root)
+    out = {k: _first(root, names) for k, names in _DATA.items()}
+    for commit, P, L in RUNS:
+        name = f"peaks.npt{P}.ml{L}.optim.dat" if commit == "311bc40" else f"peaks.ml{L}.optim.ref"
+        out[(commit, P, L)] = _first(root, [f"ref_{commit}/{name}"] + (
+            [f"testing/{name}"] if commit == "311bc40" else []))
+    missing = [str(k) for k, v in out.items() if v is None and not (isinstance(k, tuple) and k[0] != "311bc40")]
+    if missing:
+        raise FileNotFoundError(f"{root}: not the authors' repository at 311bc40 nor the lpl_peaks "
+                                f"folder; missing {', '.join(missing)}")
+    return out
+
+
+def _text(path: Path) -> str:
+    return (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)).read()
+
+
+def load_data(files: dict):
+    """``(x_train, y_train, x_val, y_val)``: float64 features ``(n, 2)``, class indices (their
+    labels are one-hot rows)."""
+    import io
+    arr = {k: np.loadtxt(io.StringIO(_text(files[k]))) for k in _DATA}
+    return arr["train_x"], arr["train_y"].argmax(1), arr["val_x"], arr["val_y"].argmax(1)
+
+
+def read_reference(path) -> tuple[dict, list]:
+    """``(config, rows)`` of one output file: the config it printed (``{name: text}``) and its
+    rows as dicts over :data:`COLUMNS` (accuracies in %)."""
+    cfg, rows = {}, []
+    for line in _text(Path(path)).splitlines():
+        if line.startswith("#"):
+            m = re.match(r"#(?:[^:]*:)?\s+(\S(?:.*?\S)?)\s{2,}(\S+)\s*$", line)
+            if m:
+                cfg[m.group(1)] = m.group(2)
+        elif line.strip():
+            v = line.split()
+            rows.append({c: (int(x) if c in ("iter", "ls_iter") else float(x.rstrip("%")))
+                         for c, x in zip(COLUMNS, v)})
+    return cfg, rows
+
+
+def authors_args(cfg: dict, n_train: int) -> Namespace:
+    """The reproduction's problem options at the values a reference file printed (the
+    reproduction's study defaults differ: see ``guenther_problem``'s module docstring)."""
+    f = lambda k: float(cfg[k])  # noqa: E731
+    levels = int(cfg["max levels"])
+    return Namespace(
+        layers=int(cfg["nlayers"]) - 2, width=int(cfg["nchannels"]), T=f("T"), classes=int(cfg["nclasses"]),
+        opening="zero" if f("weights_open_init") == 0 else "dense", bias="scalar", init="glibc",
+        init_scale=f("weights_init"), ddt_form="plain", ddt_gradient=False,
+        gamma_tik=f("gamma_tik"), gamma_ddt=f("gamma_ddt"), gamma_class=f("gamma_class"),
+        history=int(cfg["lbfgs_stages"]), step0=f("stepsize"), ls_maxiter=int(cfg["max. ls iter"]),
+        ls_factor=f("ls factor"), gtol=f("gtol"), iters=int(cfg["max. optim iter"]),
+        max_levels=levels, cfactor=int(cfg["coasening"]), min_coarse=int(cfg["min coarse"]),
+        mgrit_iters=int(cfg["max. braid iter"]), warm_adjoint=True, metrics=True, seed=0,
+        method="serial" if levels == 1 else "simultaneous", train=n_train)
+
+
+def lbfgs_authors(prob, x, y, a, on_row):
+    """The authors' optimization loop (main.cpp at 311bc40) over the distributed design.
+
+    Per iteration: a forward and an adjoint solve at the current design give the row
+    (objective, loss, gradient norm, the previous line search's step and trial index, training
+    accuracy); then the L-BFGS memory update and two-loop direction ``d = H g``, the wolfe value
+    ``g^T d``, ``design -= step0 * d`` and backtracking: a forward solve per trial, accepted when
+    ``J_trial <= J - 1e-4 * step * g^T d``, else ``step *= ls_factor`` and
+    ``design += step * d`` (at most ``ls_maxiter`` trials; the last is kept)."""
+    M = a.history
+    S, Y, rho = [None] * M, [None] * M, [0.0] * M
+    H0, stepsize, ls_iter = 1.0, a.step0, 0
+    design = prob.get_flat()
+    design0 = grad0 = None
+    for it in range(a.iters):
+        prob.set_flat(design)
+        J, g = prob.evaluate(x, y)
+        gnorm = math.sqrt(prob.dot(g, g))
+        on_row(it, J, gnorm, stepsize, ls_iter)
+        if gnorm < a.gtol or it == a.iters - 1:
+            break
+        if it > 0:
+            im = (it - 1) % M
+            Y[im], S[im] = g - grad0, design - design0
+            yts, yty = prob.dot(Y[im], S[im]), prob.dot(Y[im], Y[im])
+            yts, yty = yts if yts != 0.0 else 1.0, yty if yty != 0.0 else 1.0
+            rho[im], H0 = 1.0 / yts, yts / yty
+        d = g.clone()
+        alpha = [0.0] * M
+        imin = 0 if it < M else it - M
+        for i in range(it - 1, imin - 1, -1):
+            im = i % M
+            alpha[im] = rho[im] * prob.dot(S[im], d)
+            d -= alpha[im] * Y[im]
+        d *= H0
+        for i in range(imin, it):
+            im = i % M
+            beta = rho[im] * prob.dot(Y[im], d)
+            d += S[im] * (alpha[im] - beta)
+        design0, grad0 = design.clone(), g.clone()
+        wolfe = prob.dot(g, d)
+        design = design - a.step0 * d
+        stepsize = a.step0
+        for ls_iter in range(a.ls_maxiter):
+            prob.set_flat(design)
+            J_trial, _ = prob.evaluate(x, y, need_grad=False)
+            if J_trial <= J - 1e-4 * stepsize * wolfe or ls_iter == a.ls_maxiter - 1:
+                break
+            stepsize *= a.ls_factor
+            design = design + stepsize * d
+
+
+def run_rows(cfg: dict, data, comm, iters=None) -> list:
+    """One run of the authors' configuration ``cfg`` (a reference file's printed config) on
+    ``comm``: its rows (dicts over :data:`COLUMNS`, every rank)."""
+    import torch
+
+    from experiments.reproductions.guenther_problem import Problem
+    xtr, ytr, xva, yva = (torch.as_tensor(v) for v in data)
+    a = authors_args(cfg, len(xtr))
+    if iters is not None:
+        a.iters = min(a.iters, iters)
+    prob = Problem(a, comm, a.method)
+    rows = []
+
+    def on_row(it, J, gnorm, stepsize, ls_iter):
+        loss, acc = prob.last_metrics
+        (_, _), (_, acc_val) = prob.serial_metrics([(xva[:1], yva[:1]), (xva, yva)])
+        res = lambda r: r.residuals[-1] / len(xtr) if r is not None and r.residuals else -1.0  # noqa: E731
+        lf, lb = prob.resnet.last_forward, prob.resnet.last_backward
+        rows.append(dict(iter=it, rnorm=res(lf) if a.max_levels > 1 else -1.0,
+                         rnorm_adj=res(lb) if a.max_levels > 1 else -1.0, objective=J, loss=loss,
+                         gnorm=gnorm, stepsize=stepsize, ls_iter=ls_iter, acc_train=acc,
+                         acc_val=100.0 * acc_val))
+
+    lbfgs_authors(prob, xtr, ytr, a, on_row)
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    """A row in the authors' printf format (main.cpp)."""
+    return (f"{r['iter']:03d}  {r['rnorm']:1.8e}  {r['rnorm_adj']:1.8e}  {r['objective']:1.14e}  "
+            f"{r['loss']:1.14e}  {r['gnorm']:1.14e}  {r['stepsize']:5f}  {r['ls_iter']:2d}        "
+            f"{r['acc_train']:2.2f}%      {r['acc_val']:2.2f}%")
+
+
+def rel_diffs(ours: list, ref: list) -> dict:
+    """Largest relative difference per :data:`COMPARED` column, and the count of rows whose
+    step size, trial index or accuracies (to the printed 2 decimals) differ."""
+    n = min(len(ours), len(ref))
+    out = {c: max(abs(o[c] - r[c]) / abs(r[c]) for o, r in zip(ours[:n], ref[:n])) for c in COMPARED}
+    out["mismatched_rows"] = sum(
+        1 for o, r in zip(ours[:n], ref[:n])
+        if o["stepsize"] != r["stepsize"] or o["ls_iter"] != r["ls_iter"]
+        or round(o["acc_train"], 2) != r["acc_train"] or round(o["acc_val"], 2) != r["acc_val"])
+    out["rows"] = n
+    return out
+
+
+def own_spread(refs: dict, levels: int) -> dict:
+    """The reference's own disagreement between its 311bc40 runs on 1, 2 and 5 ranks (largest
+    relative difference per compared column, against the 1-rank run)."""
+    base = refs[("311bc40", 1, levels)]
+    return {c: max(abs(o[c] - r[c]) / abs(r[c]) for P in (2, 5)
+                   for o, r in zip(refs[("311bc40", P, levels)], base)) for c in COMPARED}
+
+
+def compare(ours: dict, refs: dict, out=print) -> bool:
+    """Print each run's rows beside the reference's with the differences, and the verdict:
+    every compared column within :data:`ALLOWANCE` times the reference's own cross-rank spread
+    of that mode (one level: exact; two levels: the inexact ml10 runs) and every step size,
+    trial index and accuracy equal. ``ours``/``refs``: ``{(commit, P, L): rows}``."""
+    ok = True
+    for key in sorted(ours, key=str):
+        commit, P, L = key
+        ref = refs[key]
+        spread = own_spread(refs, L)
+        tol = {c: ALLOWANCE * spread[c] for c in COMPARED}
+        d = rel_diffs(ours[key], ref)
+        good = all(d[c] <= tol[c] for c in COMPARED) and d["mismatched_rows"] == 0
+        ok &= good
+        out(f"\n== {commit} peaks.npt{P}.ml{L}: {P} rank(s), {'one level' if L == 1 else 'XBraid levels'}"
+            f" ({d['rows']} rows)")
+        for o, r in zip(ours[key], ref):
+            out("ours " + fmt_row(o))
+            out("ref  " + fmt_row(r))
+            out("diff      " + "  ".join(f"{c} {abs(o[c] - r[c]) / abs(r[c]):.1e}" for c in COMPARED))
+        out("max rel. diff " + ", ".join(f"{c} {d[c]:.2e} (tol {tol[c]:.1e})" for c in COMPARED)
+            + f"; rows with another step/trial/accuracy: {d['mismatched_rows']} -> "
+            + ("MATCH" if good else "DIFFERS"))
+    return ok
