@@ -66,6 +66,12 @@ Run (every study is one MPI command; ``table.md``/``summary.md`` are rebuilt fro
     mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_guenther.py --full     # 130 its (the record)
     mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_guenther.py --full --layers 1024
     mpiexec -n 2 python -m mpi4py experiments/reproductions/reproduce_guenther.py --smoke --out /tmp/x
+
+The authors' own program (``guenther_authors``; their network, glibc initialization, objective
+and L-BFGS; every row compared with their reference outputs on 1, 2 and 5 ranks; no MPI launch
+needed, it starts its runs itself)::
+
+    python experiments/reproductions/reproduce_guenther.py --authors-config ../shared/data/lpl_peaks
 """
 from __future__ import annotations
 
@@ -124,6 +130,9 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=None,
                    help="weight initializations 0..S-1 (default 5; --smoke 2)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the Peaks data")
+    p.add_argument("--authors-config", metavar="DIR", default=None,
+                   help="run the authors' configuration against their reference outputs in DIR "
+                        "instead (see --authors-config DIR --help)")
     reporting.add_study_flags(
         p, "paper scale: 130 L-BFGS iterations (the record)", "tiny: 3 iterations, 500 points, 2 seeds")
     a = p.parse_args(argv)
@@ -149,6 +158,11 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "reproductions"  # default results base folder
 from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
 
+# the authors' own configuration against their reference outputs (guenther_authors): the
+# launcher starts every run with mpiexec, so it must not initialize MPI itself
+if __name__ == "__main__" and any(a.startswith("--authors-config") for a in sys.argv[1:]):
+    from experiments.reproductions import guenther_authors
+    sys.exit(guenther_authors.main(sys.argv[1:], Path(__file__).resolve()))
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
     parse_args()
