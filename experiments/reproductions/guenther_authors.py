@@ -109,7 +109,7 @@ def authors_args(cfg: dict, n_train: int) -> Namespace:
         ls_factor=f("ls factor"), gtol=f("gtol"), iters=int(cfg["max. optim iter"]),
         max_levels=levels, cfactor=int(cfg["coasening"]), min_coarse=int(cfg["min coarse"]),
         mgrit_iters=int(cfg["max. braid iter"]), warm_adjoint=True, metrics=True, seed=0,
-        first_step="gradient", restart=False,
+        first_step="gradient", restart=False, xbraid_adjoint=True,
         method="serial" if levels == 1 else "simultaneous", train=n_train)
 
 
@@ -288,7 +288,10 @@ def parse_args(argv):
                      ("--history", dict(type=int, help="L-BFGS pairs (theirs 20)")),
                      ("--first-step", dict(choices=("gradient", "unit"))),
                      ("--restart", dict(type=lambda v: v == "yes", metavar="{no,yes}")),
-                     ("--ls-maxiter", dict(type=int, help="line-search trials (theirs 20)"))):
+                     ("--ls-maxiter", dict(type=int, help="line-search trials (theirs 20)")),
+                     ("--xbraid-adjoint", dict(type=lambda v: v == "yes", metavar="{no,yes}",
+                                               help="two levels: the adjoint solve as XBraid's "
+                                                    "(no: layerpar's own; see guenther_xbraid)"))):
         g.add_argument(flag, default=None, **kw)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # commit,P,L of one MPI run
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -296,7 +299,7 @@ def parse_args(argv):
 
 
 _OPTION_KEYS = ("T", "layers", "opening", "bias", "init", "ddt_form", "ddt_gradient", "history",
-                "first_step", "restart", "ls_maxiter")
+                "first_step", "restart", "ls_maxiter", "xbraid_adjoint")
 
 
 def main(argv, script) -> int:

@@ -11,7 +11,9 @@ one bias per layer added to every channel]; ``init`` ``"torch"`` [``"glibc"``: `
 parameter ``rand() / RAND_MAX * init_scale`` in the authors' order, ``init_scale`` 1e-3];
 ``ddt_form`` ``"h"`` (``gamma_ddt/2 * h * sum |dtheta/h|^2``) [``"plain"``: without the factor h];
 ``ddt_gradient`` True [False: the authors' gradient omits the ddt term, its factor
-``gamma_ddt / dt^2`` is stored in an ``int`` in their layer.cpp]."""
+``gamma_ddt / dt^2`` is stored in an ``int`` in their layer.cpp]; ``warm_adjoint`` False [True:
+warm restarts of the adjoint solves too]; ``xbraid_adjoint`` False [True: the adjoint solve as
+their XBraid run does it, ``guenther_xbraid``]."""
 from __future__ import annotations
 
 import math
@@ -107,6 +109,9 @@ class Problem:
             (lambda k: ScalarBiasStep(width)) if scalar else (lambda k: DenseStep(width, "smoothrelu")),
             N, (width,), comm=comm, seed=args.seed, T=opt("T", 1.0), forward=fw, backward=bw,
             warm_start=warm, warm_start_adjoint=warm and opt("warm_adjoint", False))
+        if warm and opt("xbraid_adjoint", False):
+            from experiments.reproductions.guenther_xbraid import use_xbraid_adjoint
+            use_xbraid_adjoint(resnet)
         torch.manual_seed(args.seed + 7)
         opening = (ZeroOpening(width) if opt("opening", "dense") == "zero"
                    else nn.Sequential(nn.Linear(2, width), SmoothReLU()))
