@@ -13,7 +13,9 @@ parameter ``rand() / RAND_MAX * init_scale`` in the authors' order, ``init_scale
 ``ddt_gradient`` True [False: the authors' gradient omits the ddt term, its factor
 ``gamma_ddt / dt^2`` is stored in an ``int`` in their layer.cpp]; ``warm_adjoint`` False [True:
 warm restarts of the adjoint solves too]; ``xbraid_adjoint`` False [True: the adjoint solve as
-their XBraid run does it, ``guenther_xbraid``]."""
+their XBraid run does it, ``guenther_xbraid``]; ``partition`` ``"even"`` [``"xbraid"``: XBraid's
+blocks of the ``N + 1`` points, the last one the classification layer's: the same terms in each
+rank's share of the dot products as theirs]."""
 from __future__ import annotations
 
 import math
@@ -24,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, SmoothReLU
+from mgrit.grid import Partition
 from mgrit.options import MGRITOptions
 
 __all__ = ["Problem", "lbfgs_armijo", "ScalarBiasStep", "ZeroOpening", "glibc_rand"]
@@ -105,10 +108,16 @@ class Problem:
         opt = lambda name, default: getattr(args, name, default)  # noqa: E731
         self.ddt_form, self.ddt_gradient = opt("ddt_form", "h"), opt("ddt_gradient", True)
         scalar = opt("bias", "channel") == "scalar"
+        part = None
+        if opt("partition", "even") == "xbraid":  # XBraid's blocks of the N + 1 points
+            q, r = divmod(N + 1, comm.Get_size())
+            sizes = [q + (p < r) for p in range(comm.Get_size())]
+            sizes[-1] -= 1  # the last point is the classification layer's
+            part = Partition(N, sizes)
         resnet = LayerParallelResNet.build(
             (lambda k: ScalarBiasStep(width)) if scalar else (lambda k: DenseStep(width, "smoothrelu")),
             N, (width,), comm=comm, seed=args.seed, T=opt("T", 1.0), forward=fw, backward=bw,
-            warm_start=warm, warm_start_adjoint=warm and opt("warm_adjoint", False))
+            warm_start=warm, warm_start_adjoint=warm and opt("warm_adjoint", False), partition=part)
         if warm and opt("xbraid_adjoint", False):
             from experiments.reproductions.guenther_xbraid import use_xbraid_adjoint
             use_xbraid_adjoint(resnet)
