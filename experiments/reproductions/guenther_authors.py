@@ -171,10 +171,7 @@ def lbfgs_authors(prob, x, y, a, on_row):
             design = design + stepsize * d
 
 
-def run_rows(cfg: dict, data, comm, iters=None, overrides=None) -> list:
-    """One run of the authors' configuration ``cfg`` (a reference file's printed config; the
-    problem options in ``overrides`` replaced) on ``comm``: its rows (dicts over
-    :data:`COLUMNS`, every rank)."""
+def _run_rows(cfg: dict, data, comm, iters=None, overrides=None) -> list:
     import torch
 
     from experiments.reproductions.guenther_problem import Problem
@@ -200,6 +197,19 @@ def run_rows(cfg: dict, data, comm, iters=None, overrides=None) -> list:
 
     lbfgs_authors(prob, xtr, ytr, a, on_row)
     return rows
+
+
+def run_rows(cfg: dict, data, comm, iters=None, overrides=None) -> list:
+    """One run of the authors' configuration ``cfg`` (a reference file's printed config; the
+    problem options in ``overrides`` replaced) on ``comm``, in float64 (the default dtype is
+    restored afterwards): its rows (dicts over :data:`COLUMNS`, every rank)."""
+    import torch
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _run_rows(cfg, data, comm, iters, overrides)
+    finally:
+        torch.set_default_dtype(old)
 
 
 def fmt_row(r: dict) -> str:

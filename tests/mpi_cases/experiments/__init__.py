@@ -1,0 +1,1 @@
+"""MPI check functions of the experiments (reproductions against published outputs)."""
