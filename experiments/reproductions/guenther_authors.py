@@ -240,7 +240,7 @@ def spread(runs: list) -> dict:
                    default=0.0) for c in COMPARED}
 
 
-def compare(ours: dict, refs: dict, out=print) -> bool:
+def compare(ours: dict, refs: dict, out=print, summary: dict | None = None) -> bool:
     """Print each run's rows beside the reference's with the differences, and the verdict.
 
     Tolerance per compared column: :data:`ALLOWANCE` times the round-off spread of the mode,
@@ -248,8 +248,10 @@ def compare(ours: dict, refs: dict, out=print) -> bool:
     ours (both programs compute the same numbers there, only some sums are split differently
     over the ranks; the 20 L-BFGS iterations amplify such differences); step sizes,
     line-search trials and accuracies (2 decimals) must be equal. ``ours``/``refs``:
-    ``{(commit, P, L): rows}``; the 4e7af11 runs of any ``P`` compare with its 1-rank file."""
+    ``{(commit, P, L): rows}``; the 4e7af11 runs of any ``P`` compare with its 1-rank file.
+    ``summary`` (optional) receives per run the differences, tolerances and verdict."""
     ok = True
+    summary.clear() if summary is not None else None
     for key in sorted(ours, key=str):
         commit, P, L = key
         ref = refs.get(key) or refs[(commit, 1, L)]
@@ -264,6 +266,8 @@ def compare(ours: dict, refs: dict, out=print) -> bool:
         d = rel_diffs(ours[key], ref)
         good = all(d[c] <= tol[c] for c in COMPARED) and d["mismatched_rows"] == 0
         ok &= good
+        if summary is not None:
+            summary[f"{commit}/npt{P}/ml{L}"] = {"diff": d, "tol": tol, "match": good}
         out(f"\n== {commit} peaks.npt{P}.ml{L}: {P} rank(s), {'one level' if L == 1 else 'XBraid levels'}"
             f" ({d['rows']} rows)")
         for o, r in zip(ours[key], ref):
@@ -277,6 +281,46 @@ def compare(ours: dict, refs: dict, out=print) -> bool:
             f"{c} {sp_ref[c]:.1e}" for c in COMPARED) + "; ours " + ", ".join(
             f"{c} {sp_own[c]:.1e}" for c in COMPARED) + f"; tolerance = {ALLOWANCE:g} x the larger")
     return ok
+
+
+CLAIM = ("the authors' own program (LayerParallelLearning 311bc40, Peaks): their printed rows, "
+         "20 L-BFGS iterations on 1, 2, 5 ranks, one level (exact) and XBraid two levels "
+         "(inexact: 2 cycles, warm restarts)")
+
+
+def headline_row(summary: dict) -> dict:
+    """The Results row of an ``authors.json`` summary (``{"claim", "ours", "kind"}``)."""
+    runs = summary["runs"]
+    parts = []
+    for L, name in ((1, "exact (one level)"), (10, "inexact (XBraid's adjoint emulated)")):
+        sel = {k: v for k, v in runs.items() if k.startswith("311bc40/") and k.endswith(f"ml{L}")}
+        if sel:
+            n = sum(v["match"] for v in sel.values())
+            worst = {c: max(v["diff"][c] for v in sel.values()) for c in COMPARED}
+            ranks = ",".join(k.split("/")[1][3:] for k in sorted(sel))
+            rows = min(v["diff"]["rows"] for v in sel.values())
+            parts.append(f"{name} P={ranks}: {n}/{len(sel)} runs equal over {rows} rows (max rel. diff objective "
+                         f"{worst['objective']:.1e}, gradient norm {worst['gnorm']:.1e}; same step "
+                         f"sizes, trials, accuracies)")
+    return {"claim": CLAIM, "ours": "; ".join(parts) + f"; tolerance {ALLOWANCE:g}x the round-off "
+            "spread over rank counts", "kind": "measured"}
+
+
+def write_results(base, summary: dict, text: str) -> Path:
+    """``<base>/guenther2020/authors.json`` and ``authors.md``, and the row in its
+    ``headline.json`` (replaced, the other rows kept)."""
+    import json
+    d = Path(base) / "guenther2020"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "authors.json").write_text(json.dumps(summary, indent=1))
+    (d / "authors.md").write_text("# The authors' own program against their reference outputs\n\n"
+                                  f"commit {summary['commit']}\n\n```\n{text}\n```\n")
+    head = d / "headline.json"
+    h = json.loads(head.read_text()) if head.is_file() else {"commits": [], "rows": []}
+    h["rows"] = [r for r in h["rows"] if r["claim"] != CLAIM] + [headline_row(summary)]
+    h["commits"] = sorted(set(h["commits"]) | {summary["commit"]})
+    head.write_text(json.dumps(h, indent=1))
+    return d
 
 
 # ---------------------------------------------------------------------------- command line
@@ -298,6 +342,9 @@ def parse_args(argv):
                         "(2 iterations, ml10 converged; its 1-rank file is the reference for every P)")
     p.add_argument("--iters", type=int, default=None, help="compare only the first ITERS rows")
     p.add_argument("--timeout", type=int, default=600, help="seconds per MPI run")
+    p.add_argument("--out", default=None, metavar="BASE",
+                   help="also write BASE/guenther2020/authors.{json,md} and its Results row "
+                        "(headline.json; the record: experiments/results/reproductions)")
     g = p.add_argument_group("problem options (default: the reference's values)")
     for flag, kw in (("--T", dict(type=float)), ("--layers", dict(type=int)),
                      ("--opening", dict(choices=("zero", "dense"))),
@@ -310,9 +357,11 @@ def parse_args(argv):
                      ("--restart", dict(type=lambda v: v == "yes", metavar="{no,yes}")),
                      ("--ls-maxiter", dict(type=int, help="line-search trials (theirs 20)")),
                      ("--partition", dict(choices=("xbraid", "even"))),
-                     ("--xbraid-adjoint", dict(type=lambda v: v == "yes", metavar="{no,yes}",
+                     ("--xbraid-adjoint", dict(type=lambda v: {"yes": True, "no": False}.get(v, v),
+                                               metavar="{yes,no,coarse,gradient}",
                                                help="two levels: the adjoint solve as XBraid's "
-                                                    "(no: layerpar's own; see guenther_xbraid)"))):
+                                                    "(no: layerpar's own; coarse/gradient: one "
+                                                    "of the two differences; guenther_xbraid)"))):
         g.add_argument(flag, default=None, **kw)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # commit,P,L of one MPI run
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -364,8 +413,16 @@ def main(argv, script) -> int:
                     subprocess.run(cmd, check=True, timeout=a.timeout)
                     print(f"[{commit} P={P} ml{L}: {time.perf_counter() - t0:.1f} s]", flush=True)
                     ours[(commit, P, L)] = json.loads(out.read_text())
-    ok = compare(ours, refs)
+    lines, summary = [], {}
+    ok = compare(ours, refs, out=lambda t: (print(t), lines.append(t)), summary=summary)
     mode = "" if not overrides else f" with {overrides}"
-    print(f"\nverdict{mode}: " + ("every run equals the reference outputs within the tolerance"
-                                 if ok else "some runs differ (see DIFFERS above)"))
+    verdict = f"verdict{mode}: " + ("every run equals the reference outputs within the tolerance"
+                                    if ok else "some runs differ (see DIFFERS above)")
+    print("\n" + verdict)
+    if a.out:
+        from mgrit.training import report
+        commit = report.run_metadata().get("commit", "unknown")
+        d = write_results(a.out, {"commit": commit, "overrides": overrides, "runs": summary,
+                                  "verdict": verdict}, "\n".join(lines + ["", verdict]))
+        print(f"wrote {d}/authors.json, authors.md, headline.json")
     return 0 if ok else 1

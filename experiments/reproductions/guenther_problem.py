@@ -118,9 +118,10 @@ class Problem:
             (lambda k: ScalarBiasStep(width)) if scalar else (lambda k: DenseStep(width, "smoothrelu")),
             N, (width,), comm=comm, seed=args.seed, T=opt("T", 1.0), forward=fw, backward=bw,
             warm_start=warm, warm_start_adjoint=warm and opt("warm_adjoint", False), partition=part)
-        if warm and opt("xbraid_adjoint", False):
+        xb = opt("xbraid_adjoint", False)
+        if warm and xb:
             from experiments.reproductions.guenther_xbraid import use_xbraid_adjoint
-            use_xbraid_adjoint(resnet)
+            use_xbraid_adjoint(resnet, "both" if xb is True else xb)
         torch.manual_seed(args.seed + 7)
         opening = (ZeroOpening(width) if opt("opening", "dense") == "zero"
                    else nn.Sequential(nn.Linear(2, width), SmoothReLU()))

@@ -122,7 +122,14 @@ def write(d: Path) -> None:
                                   + f" ({S} seeds, {iters} L-BFGS its)"), "kind": "measured"}]
     if tim is not None:
         head += guenther_timing.headline_rows(*tim)
-    write_headline(d, head, [meta] + ([tim[1]] if tim is not None else []))
+    metas = [meta] + ([tim[1]] if tim is not None else [])
+    if (d / "authors.json").is_file():  # the authors' own rows (reproduce_guenther --authors-config)
+        import json
+        from experiments.reproductions.guenther_authors import headline_row
+        authors = json.loads((d / "authors.json").read_text())
+        head.append(headline_row(authors))
+        metas.append(authors)
+    write_headline(d, head, metas)
     _plots(d, s, methods, S, N)
 
 

@@ -86,7 +86,11 @@ class _CoarseAtStop(Propagator):
 
 class XBraidAdjointMGRIT(MGRIT):
     """The adjoint solver of one segment, run as the authors' XBraid run does (see the module
-    docstring). Set on a segment with :func:`use_xbraid_adjoint`."""
+    docstring). Set on a segment with :func:`use_xbraid_adjoint`; the class attributes switch
+    the two parts (to measure each one's effect)."""
+
+    coarse_at_stop = True
+    gradient_before_correction = True
 
     def _cycle(self, l, cycle, iteration, first_f, skip):
         ops = self._ops
@@ -106,14 +110,15 @@ class XBraidAdjointMGRIT(MGRIT):
         mine = (copy.deepcopy(chain.fwd.steps[-1]), chain.states[len(chain.fwd.steps) - 1].clone())
         halo = comm.sendrecv(mine, dest=rank + 1 if rank < size - 1 else MPI.PROC_NULL,
                              source=rank - 1 if rank > 0 else MPI.PROC_NULL)
-        self.propagator = _CoarseAtStop(chain, halo)
+        if self.coarse_at_stop:
+            self.propagator = _CoarseAtStop(chain, halo)
         self._before_correction = None
         try:
             res = super().solve(u0, initial_guess, state_shape)
         finally:
             self.propagator = chain
         pre = self._before_correction
-        if pre is not None:  # the F-points c - 1 as the last restriction's residual read them
+        if pre is not None and self.gradient_before_correction:  # the F-points c - 1 as the last restriction's residual read them
             lv = self.hierarchy.levels[0]
             m = lv.cfactor
             for c in range(-(-(lv.lo + 1) // m) * m, min(lv.hi, self.n_intervals) + 1, m):
@@ -121,7 +126,19 @@ class XBraidAdjointMGRIT(MGRIT):
         return res
 
 
-def use_xbraid_adjoint(resnet) -> None:
+class _CoarseOnly(XBraidAdjointMGRIT):
+    gradient_before_correction = False
+
+
+class _GradientOnly(XBraidAdjointMGRIT):
+    coarse_at_stop = False
+
+
+def use_xbraid_adjoint(resnet, parts="both") -> None:
     """Run the adjoint solves of ``resnet`` (a ``LayerParallelResNet`` with a multilevel
-    backward) as the authors' XBraid run does."""
-    resnet._bsolver.__class__ = XBraidAdjointMGRIT
+    backward) as the authors' XBraid run does: ``parts`` ``"both"`` (default), ``"coarse"``
+    (only the coarse adjoint step) or ``"gradient"`` (only the gradients of the C-ending layers)."""
+    cls = {"both": XBraidAdjointMGRIT, "coarse": _CoarseOnly, "gradient": _GradientOnly}.get(parts)
+    if cls is None:
+        raise ValueError(f"parts={parts!r} is not allowed: use 'both', 'coarse' or 'gradient'")
+    resnet._bsolver.__class__ = cls
