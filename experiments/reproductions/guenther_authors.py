@@ -213,7 +213,7 @@ def run_rows(cfg: dict, data, comm, iters=None, overrides=None) -> list:
 def parse_args(argv):
     import argparse
     p = argparse.ArgumentParser(
-        prog="reproduce_guenther.py --authors-config DIR",
+        prog="reproduce_guenther.py",
         description="Run the authors' Peaks configuration (their network, initialization, "
                     "objective and L-BFGS) on 1, 2, 5 ranks, one and two levels, and compare "
                     "every printed row with their reference outputs. Each problem option "
@@ -269,7 +269,10 @@ def main(argv, script) -> int:
     import tempfile
     import time
     a = parse_args(argv)
-    files = find_files(a.authors_config)
+    try:
+        files = find_files(a.authors_config)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"--authors-config: {exc}") from None
     overrides = {k: getattr(a, k) for k in _OPTION_KEYS if getattr(a, k) is not None}
     if a.worker:
         import torch
