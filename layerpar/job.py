@@ -40,7 +40,7 @@ from mgrit.training.metrics import MetricsWriter
 from mgrit.training.trainer import Trainer
 
 from .jobconfig import LANGUAGE_MODELS, JobConfig
-from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
+from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line, never_trained
 
 __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 
@@ -79,8 +79,8 @@ def _make_run_dir(c: JobConfig, comm: MPI.Comm) -> Path:
             try:
                 run = Path(c.out) if c.out else _default_out(c.method)
                 run.mkdir(parents=True, exist_ok=True)
-                if c.overwrite:  # the previous run's results go (validated: not --resume)
-                    clear_run_dir(run)
+                if c.overwrite or never_trained(run):  # the previous run's results go
+                    clear_run_dir(run)  # (validated: not the folder of the --resume checkpoint)
                 _write_config(run, {"world_size": comm.Get_size(), **c.to_dict()})
                 found = ("ok", str(run))
             except OSError as exc:

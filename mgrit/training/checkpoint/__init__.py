@@ -41,7 +41,7 @@ from mpi4py import MPI
 from ...collective import agreed, rendezvous
 from ...options import MGRITOptions
 from .io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
-from .match import mismatches, payloads
+from .match import mismatches, not_resumable, payloads
 from ..support.faults import phase
 from ...nn.net import alias_tied, tied_conflict
 from ..support.nets import as_net
@@ -261,6 +261,8 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
             bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], net.tied_prefixes())
             if bad:
                 error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
+            if not_resumable(ckpt, head["expect"]):
+                error = ("bad", f"{path!r} {not_resumable(ckpt, head['expect'])}")
         if error is None:
             plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net.checkpoint_meta()["kind"])
     error = comm.bcast(error, root=0)
