@@ -85,14 +85,16 @@ class FitLoop:
         :mod:`mgrit.training.schedule`; every sample of every epoch is used), evaluating on
         ``test`` before training and after every epoch. ``resume``: a checkpoint to continue
         from (its data, batch size and seed must equal these; any grid; ``epochs`` counts
-        from the start of the run and must exceed the checkpoint's finished epochs). On a
+        from the start of the run: fewer than the checkpoint's finished epochs is refused,
+        equal trains nothing, said in a ``UserWarning`` and the notes). On a
         resume the optimizer's hyper-parameters as built replace the checkpoint's and the
         callback states are restored by key; what changed is in ``plan.notes`` (see
         ``docs/features/resume.rst``). Collective.
 
         Raises:
             ValueError: bad arguments (every rank, before communicating), a checkpoint that
-                does not match, a resume with nothing left to train; exceptions of the network, loss and callbacks propagate.
+                does not match, a resume past ``epochs``; exceptions of the network, loss
+                and callbacks propagate.
         """
         epochs = _positive_int("epochs", epochs)
         batch_size = _positive_int("batch_size", batch_size)
@@ -104,12 +106,21 @@ class FitLoop:
         self.history = hist = {k: [] for k in HISTORY_KEYS}
         if resume is not None:
             start_epoch, start_batch, acc_state, notes, initial = self._resume(resume, expect)
-            if start_epoch >= epochs:  # the same on every rank (the checkpoint's position)
+            if start_epoch > epochs:  # the same on every rank (the checkpoint's position)
                 raise ValueError(
                     f"resume={os.fspath(resume)!r} is at the end of epoch {start_epoch} "
-                    f"(step {self.steps_done}): fit(epochs={epochs}) has nothing left to train "
-                    f"(epochs counts from the start of the run, not from the checkpoint): "
-                    f"pass epochs > {start_epoch} to train more")
+                    f"(step {self.steps_done}), past fit(epochs={epochs}) (epochs counts from "
+                    f"the start of the run, not from the checkpoint): pass epochs > "
+                    f"{start_epoch} to train more")
+            if start_epoch == epochs:  # e.g. a multilevel schedule resumed at a level's end
+                notes.append(f"nothing left to train: the checkpoint is at the end of epoch "
+                             f"{start_epoch} = epochs (pass epochs > {start_epoch} to train "
+                             f"more)")
+                if self.is_root:
+                    warnings.warn(f"fit(epochs={epochs}, resume={os.fspath(resume)!r}) trains "
+                                  f"nothing: the checkpoint is at the end of epoch "
+                                  f"{start_epoch}; pass epochs > {start_epoch} to train more",
+                                  UserWarning, stacklevel=2)
         else:
             start_epoch = start_batch = 0
             acc_state, notes = None, []

@@ -141,6 +141,9 @@ class LRSchedule:
                 warnings.simplefilter("ignore", UserWarning)
                 for _ in range(done):  # ... advanced to the resumed step
                     self.scheduler.step()
+        constant = (lambda d: d is None or (d["kind"] == "none" and not d["warmup_epochs"]))
+        if self.scheduler is None and constant(saved):
+            return  # a constant rate before and now (a changed lr is the optimizer's note)
         if saved is None:
             why = "the checkpoint has no schedule state"
         else:

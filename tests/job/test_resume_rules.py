@@ -80,7 +80,8 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
                                             "--resume", str(a / "checkpoint.pt"), "--out",
                                             str(b)], 1), MPI.COMM_SELF)
         out = capsys.readouterr().out
-        with pytest.raises(ValueError, match=r"fit\(epochs=2\) has nothing left to train"):
+        with pytest.raises(ValueError, match=r"is at the end of epoch 2 of the run's 2: "
+                                             r"nothing is left to train"):
             run_job(parser.parse_config(base + ["--epochs", "2", "--resume",
                                                 str(a / "checkpoint.pt"), "--out",
                                                 str(tmp_path / "c")], 1), MPI.COMM_SELF)
@@ -95,3 +96,4 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert any("re-planned" in n and "epochs 2 -> 4" in n for n in notes), notes
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out
     assert len(json.loads((b / "summary.json").read_text())["epochs"]["loss"]) == 4
+    assert not (tmp_path / "c" / "steps.csv").exists()  # refused before any output

@@ -7,7 +7,7 @@
   rising), and the weights equal a plain loop with those rates;
 * callback states are keyed by name: a resume with other callbacks around the metrics writer
   keeps every step of ``steps.csv``; a state that no callback takes is named in the notes;
-* a resume with nothing left to train, a weights-only file and a layer-wise/network mismatch
+* a resume with nothing left to train (said or refused), a weights-only file and a layer-wise/network mismatch
   are refused with the real reason.
 """
 from __future__ import annotations
@@ -191,12 +191,16 @@ def test_callback_keys_are_names_and_old_keys_still_load():
                 callbacks=[type("Bad", (S,), {"state_key": "a#b"})()])
 
 
-def test_resume_with_nothing_left_to_train_is_refused(tmp_path):
-    _fit(tmp_path / "c.pt", 2)
-    for epochs in (1, 2):
-        with pytest.raises(ValueError, match=r"end of epoch 2 \(step 8\): fit\(epochs="
-                                             rf"{epochs}\) has nothing left to train"):
-            _fit(tmp_path / "r.pt", epochs, resume=tmp_path / "c.pt")
+def test_resume_with_nothing_left_to_train_says_so_or_is_refused(tmp_path):
+    """From the checkpoint at the end of epoch 2: epochs=1 is refused, epochs=2 trains nothing
+    and says so (a warning and the resume notes); the weights are the checkpoint's."""
+    net0, _, _ = _fit(tmp_path / "c.pt", 2)
+    with pytest.raises(ValueError, match=r"end of epoch 2 \(step 8\), past fit\(epochs=1\)"):
+        _fit(tmp_path / "r.pt", 1, resume=tmp_path / "c.pt")
+    with pytest.warns(UserWarning, match=r"fit\(epochs=2, resume=.*\) trains nothing"):
+        net, _, res = _fit(tmp_path / "r.pt", 2, resume=tmp_path / "c.pt")
+    assert res.steps == 8 and _equal(net, net0)
+    assert any(n.startswith("nothing left to train") for n in res.plan.notes)
 
 
 def test_weights_only_file_is_not_a_checkpoint(tmp_path):
