@@ -10,7 +10,9 @@ weights; :func:`layerpar.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
 ``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
 (``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
-run's stages and heads are not one network).
+run's stages and heads are not one network). A folder holding only what a job that failed before
+its first step leaves (:data:`UNTRAINED_FILES`) is no run: :func:`never_trained` lets the
+corrected command re-use it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from pathlib import Path
 
 from mgrit.training.support.nets import as_net
 
-__all__ = ["RUN_FILES", "UNTRAINED_FILES", "never_trained", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
+__all__ = ["RUN_FILES", "UNTRAINED_FILES", "never_trained", "clear_run_dir", "ConsoleCopy",
+           "interrupt_line", "eval_solve"]
 
 #: Names (glob patterns) of what a run writes into its folder; ``--overwrite`` deletes these.
 RUN_FILES = ("config.json", "console.log", "metrics.h5", "metrics.h5.tmp", "metrics.csv",

@@ -99,13 +99,13 @@ class LRSchedule:
         _check(kind, max(warmup_epochs + 1, 1), 1, warmup_epochs, step_epochs, gamma)
         self.kind, self.warmup_epochs = kind, warmup_epochs
         self.step_epochs, self.gamma = step_epochs, gamma
-        self.scheduler = None
+        self.scheduler, self._optimizer = None, None
         self.setting: dict | None = None  # the schedule being followed (saved, compared)
         self._pending = None
         self.lrs: list = []
 
     def on_fit_start(self, trainer, plan) -> None:
-        opt = trainer.optimizer
+        opt = self._optimizer = trainer.optimizer
         base = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
         self.setting = {"kind": self.kind,  # (only the cosine's length depends on epochs)
                         "epochs": plan.epochs if self.kind == "cosine" else None,
@@ -147,7 +147,8 @@ class LRSchedule:
         if saved is None:
             why = "the checkpoint has no schedule state"
         else:
-            why = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in self.setting.items()
+            why = ", ".join(f"{k} {'-' if saved.get(k) is None else saved.get(k)} -> "
+                            f"{'-' if v is None else v}" for k, v in self.setting.items()
                             if saved.get(k) != v)
         plan.notes.append(
             f"learning-rate schedule re-planned ({why}): {self.kind} over {plan.epochs} "
@@ -166,8 +167,8 @@ class LRSchedule:
             self.scheduler.step()
 
     def state_dict(self) -> dict:
-        opt_lrs = [] if self.scheduler is None else [
-            float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
+        opt_lrs = [] if self._optimizer is None else [
+            float(g["lr"]) for g in self._optimizer.param_groups]
         return {"scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "lrs": opt_lrs, "history": [float(v) for v in self.lrs],
                 "setting": None if self.setting is None else dict(self.setting)}

@@ -200,7 +200,7 @@ class MetricsWriter:
         self.config.setdefault("parameters", plan.parameters)
         if plan.resumed_from:  # what the resume changed (summary.json; the list may grow in
             # later callbacks' on_fit_start, e.g. a re-planned learning-rate schedule)
-            self.extra["resumed"] = {"from": plan.resumed_from, "at_epoch": plan.start_epoch,
+            self.extra["resumed"] = {"from": plan.resumed_from, "at_epoch": plan.start_epoch + 1,
                                      "at_batch": plan.start_batch, "notes": plan.notes}
         if not trainer.is_root:
             return

@@ -91,7 +91,7 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert [int(r.split(",")[0]) for r in rows] == list(range(16))  # the first run's 8 too
     summary = json.loads((b / "summary.json").read_text())
     notes = summary["resumed"]["notes"]
-    assert summary["config"]["lr"] == 0.05 and summary["resumed"]["at_epoch"] == 2
+    assert summary["config"]["lr"] == 0.05 and summary["resumed"]["at_epoch"] == 3
     assert any("lr 0.01 -> 0.05" in n for n in notes), notes
     assert any("re-planned" in n and "epochs 2 -> 4" in n for n in notes), notes
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out

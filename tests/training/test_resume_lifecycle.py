@@ -7,8 +7,8 @@
   rising), and the weights equal a plain loop with those rates;
 * callback states are keyed by name: a resume with other callbacks around the metrics writer
   keeps every step of ``steps.csv``; a state that no callback takes is named in the notes;
-* a resume with nothing left to train (said or refused), a weights-only file and a layer-wise/network mismatch
-  are refused with the real reason.
+* a resume with nothing left to train is said (``epochs`` equal) or refused (fewer); a
+  weights-only file and a layer-wise/network mismatch are refused with the real reason.
 """
 from __future__ import annotations
 
