@@ -72,6 +72,19 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, *, epochs: int, 
     return sched.SequentialLR(optimizer, [ramp, main], milestones=[warm])
 
 
+def _legacy(pending: dict, setting: dict) -> dict | None:
+    """The schedule of a checkpoint written before the setting was saved, as far as its torch
+    scheduler state tells (base rates; the cosine's length); the rest assumed unchanged."""
+    state = pending.get("scheduler")
+    if not state:
+        return None
+    subs = state.get("_schedulers") or [state]  # SequentialLR: warm-up, then the main one
+    old = dict(setting, base_lrs=[float(b) for b in subs[0].get("base_lrs", setting["base_lrs"])])
+    if setting["kind"] == "cosine" and "T_max" in subs[-1]:
+        old["epochs"] = int(subs[-1]["T_max"]) // setting["batches"] + setting["warmup_epochs"]
+    return old
+
+
 class LRSchedule:
     """Trainer callback: builds :func:`make_scheduler` for the trainer's optimizer when the fit
     starts (it needs the number of batches per epoch), steps it after every optimizer step,
@@ -113,7 +126,7 @@ class LRSchedule:
                         "step_epochs": self.step_epochs, "gamma": float(self.gamma),
                         "base_lrs": base}
         pending, self._pending = self._pending, None
-        saved = None if pending is None else pending.get("setting")
+        saved = None if pending is None else pending.get("setting", _legacy(pending, self.setting))
         if pending is not None and (saved is None or saved == self.setting):
             # resumed with the same schedule (or from a checkpoint that did not record it):
             # the saved position and rates, exactly

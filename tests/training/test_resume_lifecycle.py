@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from mgrit.training import LRSchedule, MetricsWriter, Trainer
 from mgrit.training.callbacks import restore_states, state_keys
 from mgrit.training.checkpoint import save_checkpoint
+from mgrit.training.checkpoint.io import read_file, write_atomic
 from mgrit.training.checkpoint.match import mismatches
 
 N, BATCH, SEED = 32, 8, 2  # 4 batches per epoch
@@ -221,3 +222,19 @@ def test_layerwise_and_network_checkpoints_name_the_method():
            "a layer-wise training method" in msg and "resume with SGD" not in msg
     ckpt["optimizer"]["type"], head["optimizer_type"] = "MethodOptimizer", "Adam"
     assert "written by a layer-wise training method" in mismatches(ckpt, head, [{"model": {}}])
+
+
+def test_checkpoint_without_the_schedule_setting_is_replanned(tmp_path):
+    """A checkpoint of an LRSchedule that did not save its setting (before issue 40): the
+    extension is found from the saved scheduler (T_max) and re-planned as well."""
+    s1 = LRSchedule("cosine")
+    _fit(tmp_path / "c.pt", 2, callbacks=[s1])
+    ckpt, error = read_file(str(tmp_path / "c.pt"))
+    for r in ckpt["ranks"]:
+        del r["extra"]["callbacks"]["LRSchedule"]["setting"]
+    write_atomic(str(tmp_path / "old.pt"), ckpt)
+    s2 = LRSchedule("cosine")
+    _, _, res = _fit(tmp_path / "r.pt", 4, callbacks=[s2], resume=tmp_path / "old.pt")
+    new = _cosine(16, 0.01)
+    assert s2.lrs[8:] == pytest.approx([new(t) for t in range(8, 16)], rel=1e-12, abs=1e-15)
+    assert any("epochs 2 -> 4" in n for n in res.plan.notes), res.plan.notes
