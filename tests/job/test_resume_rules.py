@@ -4,8 +4,9 @@
   re-used by the corrected rerun; a folder with trained results is refused as before;
 * ``--resume`` into another run's non-empty folder is refused unless ``--overwrite``; into the
   checkpoint's own folder it continues there (``--overwrite`` then refused);
-* one serial job in this process, resumed with ``--no-progress --epochs 4 --lr 0.05``: every
-  step of the first run stays in ``steps.csv``, the new rate and the re-planned cosine are in
+* one layer-parallel job in this process (1 rank), resumed with ``--serial --no-progress
+  --epochs 4 --lr 0.05``: every step of the first run stays in ``steps.csv``, the new rate,
+  the re-planned cosine and the guard state the serial run has no use for are in
   ``summary.json`` and the console; ``--epochs 2`` from the epoch-2 checkpoint is refused.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_resume_into_another_runs_folder_needs_overwrite(parser, tmp_path, capsy
 def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     from layerpar.job import run_job
 
-    base = ["--serial", "--dataset", "digits", "--layers", "2", "--width", "8",
+    base = ["--dataset", "digits", "--layers", "2", "--width", "8",
             "--limit-train", "100", "--limit-test", "50", "--batch-size", "25",
             "--lr-schedule", "cosine", "--checkpoint-every", "4"]  # 4 steps per epoch
     a, b = tmp_path / "a", tmp_path / "b"
@@ -77,8 +78,8 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
         run_job(parser.parse_config(base + ["--epochs", "2", "--out", str(a)], 1), MPI.COMM_SELF)
         capsys.readouterr()
         run_job(parser.parse_config(base + ["--epochs", "4", "--lr", "0.05", "--no-progress",
-                                            "--resume", str(a / "checkpoint.pt"), "--out",
-                                            str(b)], 1), MPI.COMM_SELF)
+                                            "--serial", "--resume", str(a / "checkpoint.pt"),
+                                            "--out", str(b)], 1), MPI.COMM_SELF)
         out = capsys.readouterr().out
         with pytest.raises(ValueError, match=r"is at the end of epoch 2 of the run's 2: "
                                              r"nothing is left to train"):
@@ -94,6 +95,7 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert summary["config"]["lr"] == 0.05 and summary["resumed"]["at_epoch"] == 3
     assert any("lr 0.01 -> 0.05" in n for n in notes), notes
     assert any("re-planned" in n and "epochs 2 -> 4" in n for n in notes), notes
+    assert any("ConvergenceGuard not restored" in n for n in notes), notes  # (mgrit only)
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out
     assert len(json.loads((b / "summary.json").read_text())["epochs"]["loss"]) == 4
     assert not (tmp_path / "c" / "steps.csv").exists()  # refused before any output
