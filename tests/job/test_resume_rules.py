@@ -81,6 +81,9 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
                                             "--serial", "--resume", str(a / "checkpoint.pt"),
                                             "--out", str(b)], 1), MPI.COMM_SELF)
         out = capsys.readouterr().out
+        run_job(parser.parse_config(base + ["--epochs", "3", "--fwd-iters", "3", "--resume",
+                                            str(a / "checkpoint.pt"), "--out",
+                                            str(tmp_path / "d")], 1), MPI.COMM_SELF)
         with pytest.raises(ValueError, match=r"is at the end of epoch 2 of the run's 2: "
                                              r"nothing is left to train"):
             run_job(parser.parse_config(base + ["--epochs", "2", "--resume",
@@ -99,3 +102,6 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out
     assert len(json.loads((b / "summary.json").read_text())["epochs"]["loss"]) == 4
     assert not (tmp_path / "c" / "steps.csv").exists()  # refused before any output
+    notes = json.loads((tmp_path / "d" / "summary.json").read_text())["resumed"]["notes"]
+    assert any("the checkpoint's MGRIT options continue" in n and "max_iter 2 (this run: 3)" in n
+               for n in notes), notes  # kept (a guard may have changed them), and said so
