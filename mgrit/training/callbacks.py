@@ -188,10 +188,11 @@ class ConsoleLog:
         self._epochs = plan.epochs
         for line in plan.solvers:
             self._say(trainer, f"{self.prefix} {line}")
-        if plan.resumed_from:
-            notes = f" ({'; '.join(plan.notes)})" if plan.notes else ""
+        if plan.resumed_from:  # then what the resume changed, one note a line
             self._say(trainer, f"{self.prefix} resumed {plan.resumed_from} at epoch "
-                               f"{plan.start_epoch + 1}, batch {plan.start_batch}{notes}")
+                               f"{plan.start_epoch + 1}, batch {plan.start_batch}")
+            for note in plan.notes:
+                self._say(trainer, f"{self.prefix}   resume: {note}")
         line = f"{self.prefix} {plan.parameters} parameters"
         if plan.initial_test_acc is not None:
             line += (f"; initial test_acc {plan.initial_test_acc:.4f} test_loss "
