@@ -43,17 +43,17 @@ UNTRAINED_FILES = ("config.json", "console.log", "error-rank-*.log", "steps.csv"
 
 
 def never_trained(run) -> bool:
-    """Whether the non-empty folder ``run`` holds only what a job that never trained leaves
-    (:data:`UNTRAINED_FILES`, with the job's own ``config.json`` and a ``steps.csv`` without
-    steps), so a corrected rerun may use it."""
+    """Whether the folder ``run`` holds only what a job that never trained leaves
+    (:data:`UNTRAINED_FILES`: the job's own ``config.json``, which it writes first, and maybe
+    its logs and a ``steps.csv`` without steps), so a corrected rerun may use it."""
     run = Path(run)
     entries = sorted(os.listdir(run)) if run.is_dir() else []
-    if not entries or any(not any(fnmatch.fnmatch(e, pat) for pat in UNTRAINED_FILES)
-                          or not (run / e).is_file() for e in entries):
+    if "config.json" not in entries or any(  # (the job writes config.json first)
+            not any(fnmatch.fnmatch(e, pat) for pat in UNTRAINED_FILES)
+            or not (run / e).is_file() for e in entries):
         return False
     try:
-        if "config.json" in entries and "argv" not in json.loads((run / "config.json")
-                                                                 .read_text()):
+        if "argv" not in json.loads((run / "config.json").read_text()):
             return False  # not a config.json of the job
         if "steps.csv" in entries and len((run / "steps.csv").read_text().splitlines()) > 1:
             return False

@@ -45,6 +45,8 @@ def test_never_trained_folder_is_reused(parser, tmp_path, capsys):
     (run / "steps.csv").unlink()
     (run / "config.json").write_text("{}")  # not the job's config.json: someone's file
     assert "exists and is not empty" in _refused(parser, TINY + ["--out", str(run)], capsys)
+    (run / "config.json").unlink()  # logs without the job's config.json: not the job's
+    assert "exists and is not empty" in _refused(parser, TINY + ["--out", str(run)], capsys)
 
 
 def test_resume_into_another_runs_folder_needs_overwrite(parser, tmp_path, capsys):
