@@ -204,12 +204,16 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                         "buffers are not saved)")
     g.add_argument("--resume", default=D.resume, help="checkpoint to continue from (same "
                    "method, data, batch size and seed; mgrit and serial: any number of ranks, "
-                   "and their checkpoints load into each other)")
+                   "and their checkpoints load into each other); --epochs counts from the "
+                   "start of the run; changed --lr/--momentum/--weight-decay and schedule "
+                   "flags take effect (the schedule is re-planned; docs/features/resume.rst); "
+                   "--out another run's non-empty folder only with --overwrite")
     g.add_argument("--out", default=D.out, help="run directory (default runs/<method>-<timestamp>)")
     g.add_argument("--overwrite", action="store_true", help="reuse an existing non-empty --out: "
                    "delete the results a previous run wrote there (config, metrics, summary, "
                    "curves, checkpoint, model, logs; other files are kept); without it (or "
-                   "--resume) such a folder is refused")
+                   "--resume of a checkpoint in that folder) such a folder is refused, unless "
+                   "no job trained there (a failed start's config and logs are replaced)")
     g.add_argument("--tensorboard", action="store_true", help="also log the per-step and "
                    "per-epoch metrics to RUN/tensorboard (torch.utils.tensorboard; needs the "
                    "optional extra: pip install 'layerpar[tensorboard]')")

@@ -10,11 +10,14 @@ weights; :func:`layerpar.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
 ``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
 (``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
-run's stages and heads are not one network).
+run's stages and heads are not one network). A folder holding only what a job that failed before
+its first step leaves (:data:`UNTRAINED_FILES`) is no run: :func:`never_trained` lets the
+corrected command re-use it.
 """
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shlex
 import shutil
@@ -23,13 +26,40 @@ from pathlib import Path
 
 from mgrit.training.support.nets import as_net
 
-__all__ = ["RUN_FILES", "clear_run_dir", "ConsoleCopy", "interrupt_line", "eval_solve"]
+__all__ = ["RUN_FILES", "UNTRAINED_FILES", "never_trained", "clear_run_dir", "ConsoleCopy",
+           "interrupt_line", "eval_solve"]
 
 #: Names (glob patterns) of what a run writes into its folder; ``--overwrite`` deletes these.
 RUN_FILES = ("config.json", "console.log", "metrics.h5", "metrics.h5.tmp", "metrics.csv",
              "steps.csv", "summary.json", "curves.png", "model.pt", "model.pt.tmp",
              "checkpoint.pt", "checkpoint.pt.tmp", "guard.jsonl", "bias.jsonl",
              "error-rank-*.log", "tensorboard", "lm.json")
+
+
+#: What a job leaves in its folder when it fails before its first optimizer step (a late error
+#: such as a model setting the data do not allow): such a folder is no run and is re-used
+#: (:func:`never_trained`).
+UNTRAINED_FILES = ("config.json", "console.log", "error-rank-*.log", "steps.csv")
+
+
+def never_trained(run) -> bool:
+    """Whether the folder ``run`` holds only what a job that never trained leaves
+    (:data:`UNTRAINED_FILES`: the job's own ``config.json``, which it writes first, and maybe
+    its logs and a ``steps.csv`` without steps), so a corrected rerun may use it."""
+    run = Path(run)
+    entries = sorted(os.listdir(run)) if run.is_dir() else []
+    if "config.json" not in entries or any(  # (the job writes config.json first)
+            not any(fnmatch.fnmatch(e, pat) for pat in UNTRAINED_FILES)
+            or not (run / e).is_file() for e in entries):
+        return False
+    try:
+        if "argv" not in json.loads((run / "config.json").read_text()):
+            return False  # not a config.json of the job
+        if "steps.csv" in entries and len((run / "steps.csv").read_text().splitlines()) > 1:
+            return False
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
 
 
 def clear_run_dir(run) -> list:

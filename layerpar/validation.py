@@ -22,6 +22,8 @@ from mgrit.nn.gru.chains import COARSE_PROPAGATORS
 from mgrit.options import relaxation_sweeps
 from mgrit.training.lrschedule import SCHEDULES
 
+from .runfolder import never_trained
+
 __all__ = ["validate", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS",
            "DEVICES", "OPTIMIZER_NAMES"]
 
@@ -280,16 +282,26 @@ def check_schedule_and_sequences(c, P_L: int) -> None:
 
 
 def check_out(c) -> None:
-    """--out: an existing non-empty folder only with --overwrite or --resume (same verdict on
-    every rank of a shared file system; no communication)."""
-    if c.overwrite and c.resume:
+    """--out: an existing non-empty folder only with --overwrite, with --resume of a checkpoint
+    in that folder (the run continues there), or when no job trained there (only the config and
+    logs of a job that failed before its first step: re-used); --resume into another run's
+    folder needs --overwrite (same verdict on every rank of a shared file system; no
+    communication)."""
+    home = os.path.dirname(os.path.realpath(c.resume)) if c.resume else None
+    same = bool(c.out) and home == os.path.realpath(c.out)  # the checkpoint's own folder
+    if c.overwrite and c.resume and (same or not c.out):
         raise ValueError("--overwrite deletes the run folder's results and --resume continues "
                          "them: pass one of them")
-    if not c.out or c.overwrite or c.resume or not os.path.isdir(c.out):
+    if not c.out or c.overwrite or not os.path.isdir(c.out) or same:
         return
     entries = sorted(os.listdir(c.out))
-    if entries:
+    if entries and not never_trained(c.out):
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        if c.resume:
+            raise ValueError(f"--out={c.out!r} is another run's folder ({len(entries)} "
+                             f"entries: {shown}; the checkpoint is in {home}): resume into "
+                             f"a new folder or {home}, or pass --overwrite (deletes the "
+                             f"results in --out)")
         raise ValueError(f"--out={c.out!r} exists and is not empty ({len(entries)} entries: "
                          f"{shown}): choose a new run folder, or pass --overwrite (deletes its "
                          f"results) or --resume CHECKPOINT (continues the run there)")

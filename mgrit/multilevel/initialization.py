@@ -250,7 +250,8 @@ def resume_level(path, comm, depths, epochs) -> int:
             found = ("error", error[1])
         else:
             states = ckpt["ranks"][0]["extra"].get("callbacks", {})
-            state = next((v for k, v in states.items() if k.endswith(":LevelHistory")), None)
+            state = next((v for k, v in states.items()  # (before issue 40: "0:LevelHistory")
+                          if k == "LevelHistory" or k.endswith(":LevelHistory")), None)
             if state is None:
                 found = ("error", f"checkpoint {str(path)!r} was not written by a "
                                   f"--multilevel-init run: resume it without --multilevel-init")

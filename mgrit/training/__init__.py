@@ -7,7 +7,8 @@ optimizer: the layer-wise methods), the records :class:`FitResult` and :class:`S
 (also ``records.EpochRecord``, ``records.FitPlan``), the shipped callbacks
 :class:`ConvergenceGuard` (residual growth, NaN names the layer), :class:`BiasMonitor` (inexact
 gradients' bias against their noise; raises the solve accuracy or switches to serial),
-:class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, and :func:`fail_fast`.
+:class:`ProgressBar`, :class:`ConsoleLog`, :class:`MetricsWriter`, :class:`LRSchedule` (a
+learning-rate schedule stepped per optimizer step, saved in checkpoints), and :func:`fail_fast`.
 Modules: ``trainer`` (the step), ``fit`` (the epoch loop), ``method`` (``TrainingMethod``,
 ``MethodOptimizer``), ``epoch``, ``schedule`` (batches, shards), ``heldout`` (the
 :class:`~mgrit.training.heldout.Validation` callback: a validation split after every epoch), ``lrschedule`` (learning-rate
@@ -62,10 +63,12 @@ from .bias import BiasMonitor  # noqa: E402
 from .callbacks import ConsoleLog, ProgressBar  # noqa: E402
 from .support.faults import fail_fast  # noqa: E402
 from .guard import ConvergenceGuard  # noqa: E402
+from .lrschedule import LRSchedule  # noqa: E402
 from .method import TrainingMethod  # noqa: E402
 from .metrics import MetricsWriter  # noqa: E402
 from .records import FitResult, StepRecord  # noqa: E402
 from .trainer import Trainer  # noqa: E402
 
 __all__ = ["Trainer", "TrainingMethod", "FitResult", "StepRecord", "ConvergenceGuard",
-           "BiasMonitor", "ProgressBar", "ConsoleLog", "MetricsWriter", "fail_fast"]
+           "BiasMonitor", "ProgressBar", "ConsoleLog", "MetricsWriter", "LRSchedule",
+           "fail_fast"]

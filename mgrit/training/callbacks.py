@@ -6,10 +6,16 @@ A callback is any object with some of the methods :data:`~mgrit.training.records
 each called as ``hook(trainer, record)`` on every rank, in list order. Hooks that change the
 computation must decide the same thing on every rank; output hooks check ``trainer.is_root``.
 A callback with state provides ``state_dict()`` / ``load_state_dict(state)`` (plain contents:
-tensors, dicts, lists, numbers, strings), saved per rank in checkpoints.
+tensors, dicts, lists, numbers, strings), saved per rank in checkpoints under a stable key
+(:func:`state_keys`: its ``state_key`` attribute, else its class name; ``#2``, ``#3``, ... for
+later callbacks of the same key), so a resume with other callbacks around it (e.g. without the
+progress bar) restores each state into the callback it belongs to; a saved state no callback
+takes and a stateful callback without saved state are named in the resume notes
+(:func:`restore_states`).
 """
 from __future__ import annotations
 
+import re
 import sys
 from typing import TYPE_CHECKING, Callable, Iterable, TextIO
 
@@ -22,7 +28,7 @@ from .records import CALLBACK_HOOKS, EpochRecord, FitPlan, FitResult, StepRecord
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
     from .trainer import Trainer
 
-__all__ = ["check_callbacks", "ProgressBar", "ConsoleLog"]
+__all__ = ["check_callbacks", "state_keys", "restore_states", "ProgressBar", "ConsoleLog"]
 
 
 def check_callbacks(callbacks: Iterable | None) -> list:
@@ -51,7 +57,65 @@ def check_callbacks(callbacks: Iterable | None) -> list:
         if hasattr(cb, "state_dict") != hasattr(cb, "load_state_dict"):
             raise ValueError(f"callback {name} has only one of state_dict/load_state_dict: "
                              f"give both (checkpoints save and restore the state) or neither")
+        key = getattr(cb, "state_key", None)
+        if key is not None and (not isinstance(key, str) or not key or "#" in key):
+            raise ValueError(f"callback {name}.state_key={key!r} is not allowed: use a "
+                             f"non-empty string without '#' (or no state_key: the class name)")
     return out
+
+
+def state_keys(callbacks: list) -> list:
+    """The checkpoint key of each callback's state (None for a callback without
+    ``state_dict``): its ``state_key`` attribute, else its class name, with ``#k`` appended
+    for the k-th (k >= 2) stateful callback of the same key."""
+    keys, seen = [], {}
+    for cb in callbacks:
+        if not hasattr(cb, "state_dict"):
+            keys.append(None)
+            continue
+        name = getattr(cb, "state_key", None) or type(cb).__name__
+        seen[name] = seen.get(name, 0) + 1
+        keys.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return keys
+
+
+def _legacy(saved: dict) -> dict:
+    """Saved states keyed ``'{position}:{class name}'`` (checkpoints before the stable keys),
+    re-keyed as :func:`state_keys` would key them."""
+    if not saved or not all(re.fullmatch(r"\d+:.+", k) for k in saved):
+        return saved
+    out, seen = {}, {}
+    for k in sorted(saved, key=lambda k: int(k.split(":", 1)[0])):
+        name = k.split(":", 1)[1]
+        seen[name] = seen.get(name, 0) + 1
+        out[name if seen[name] == 1 else f"{name}#{seen[name]}"] = saved[k]
+    return out
+
+
+def restore_states(callbacks: list, saved: dict) -> list:
+    """Load the checkpoint's callback states ``saved`` (key -> state) into ``callbacks`` by
+    :func:`state_keys`; returns the notes for the resume report: saved states that no callback
+    of this run takes (not restored) and stateful callbacks the checkpoint has no state for
+    (they start empty, e.g. a metrics writer then lacks the steps before the resume)."""
+    saved = _legacy(dict(saved or {}))
+    used, fresh = set(), []
+    for cb, key in zip(callbacks, state_keys(callbacks)):
+        if key is None:
+            continue
+        if key in saved:
+            cb.load_state_dict(saved[key])
+            used.add(key)
+        else:
+            fresh.append(key)
+    notes = []
+    dropped = sorted(set(saved) - used)
+    if dropped:
+        notes.append(f"saved state of callback(s) {', '.join(dropped)} not restored: this run "
+                     f"has no callback with that key")
+    if fresh:
+        notes.append(f"callback(s) {', '.join(fresh)} start without saved state: the "
+                     f"checkpoint has none for them")
+    return notes
 
 
 class ProgressBar:
@@ -124,10 +188,11 @@ class ConsoleLog:
         self._epochs = plan.epochs
         for line in plan.solvers:
             self._say(trainer, f"{self.prefix} {line}")
-        if plan.resumed_from:
-            notes = f" ({'; '.join(plan.notes)})" if plan.notes else ""
+        if plan.resumed_from:  # then what the resume changed, one note a line
             self._say(trainer, f"{self.prefix} resumed {plan.resumed_from} at epoch "
-                               f"{plan.start_epoch + 1}, batch {plan.start_batch}{notes}")
+                               f"{plan.start_epoch + 1}, batch {plan.start_batch}")
+            for note in plan.notes:
+                self._say(trainer, f"{self.prefix}   resume: {note}")
         line = f"{self.prefix} {plan.parameters} parameters"
         if plan.initial_test_acc is not None:
             line += (f"; initial test_acc {plan.initial_test_acc:.4f} test_loss "

@@ -36,6 +36,40 @@ def _positive_int(name: str, v, minimum: int = 1) -> int:
     return int(v)
 
 
+def _hyperparameters(optimizer) -> list:
+    """Per parameter group, its hyper-parameters (everything but ``params``)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _plain(v):
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def _take_hyperparameters(optimizer, asked: list) -> list:
+    """After loading a checkpoint into ``optimizer``: put back the hyper-parameters the
+    optimizer was built with (``asked``, from :func:`_hyperparameters` before loading) where
+    the checkpoint's differ, so a resume with another ``lr``, ``momentum``, ... trains with
+    them. ``lr`` is compared with the checkpoint's base rate (``initial_lr``, set by a
+    scheduler; else ``lr``): an unchanged base keeps the checkpoint's current (scheduled)
+    rate. Returns the resume note naming the changes (empty: none)."""
+    changed = {}
+    for g, want in zip(optimizer.param_groups, asked):
+        for k, v in want.items():
+            if k == "initial_lr":
+                continue
+            have = g.get("initial_lr", g.get("lr")) if k == "lr" else g.get(k)
+            if _plain(have) == _plain(v):
+                continue
+            changed.setdefault(k, (have, v))
+            g[k] = v
+            if k == "lr" and "initial_lr" in g:  # a new base rate for the schedule
+                g["initial_lr"] = want.get("initial_lr", v)
+    if not changed:
+        return []
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    return [f"this run's optimizer settings replace the checkpoint's: {what}"]
+
+
 class FitLoop:
     """:meth:`fit` and its checkpoint/resume helpers (mixed into
     :class:`~mgrit.training.Trainer`)."""
@@ -50,11 +84,17 @@ class FitLoop:
         ``seed`` (see
         :mod:`mgrit.training.schedule`; every sample of every epoch is used), evaluating on
         ``test`` before training and after every epoch. ``resume``: a checkpoint to continue
-        from (its data, batch size and seed must equal these; any grid). Collective.
+        from (its data, batch size and seed must equal these; any grid; ``epochs`` counts
+        from the start of the run: fewer than the checkpoint's finished epochs is refused,
+        equal trains nothing, said in a ``UserWarning`` and the notes). On a
+        resume the optimizer's hyper-parameters as built replace the checkpoint's and the
+        callback states are restored by key; what changed is in ``plan.notes`` (see
+        ``docs/features/resume.rst``). Collective.
 
         Raises:
             ValueError: bad arguments (every rank, before communicating), a checkpoint that
-                does not match; exceptions of the network, loss and callbacks propagate.
+                does not match, a resume past ``epochs``; exceptions of the network, loss
+                and callbacks propagate.
         """
         epochs = _positive_int("epochs", epochs)
         batch_size = _positive_int("batch_size", batch_size)
@@ -66,6 +106,21 @@ class FitLoop:
         self.history = hist = {k: [] for k in HISTORY_KEYS}
         if resume is not None:
             start_epoch, start_batch, acc_state, notes, initial = self._resume(resume, expect)
+            if start_epoch > epochs:  # the same on every rank (the checkpoint's position)
+                raise ValueError(
+                    f"resume={os.fspath(resume)!r} is at the end of epoch {start_epoch} "
+                    f"(step {self.steps_done}), past fit(epochs={epochs}) (epochs counts from "
+                    f"the start of the run, not from the checkpoint): pass epochs > "
+                    f"{start_epoch} to train more")
+            if start_epoch == epochs:  # e.g. a multilevel schedule resumed at a level's end
+                notes.append(f"nothing left to train: the checkpoint is at the end of epoch "
+                             f"{start_epoch} = epochs (pass epochs > {start_epoch} to train "
+                             f"more)")
+                if self.is_root:
+                    warnings.warn(f"fit(epochs={epochs}, resume={os.fspath(resume)!r}) trains "
+                                  f"nothing: the checkpoint is at the end of epoch "
+                                  f"{start_epoch}; pass epochs > {start_epoch} to train more",
+                                  UserWarning, stacklevel=2)
         else:
             start_epoch = start_batch = 0
             acc_state, notes = None, []
@@ -136,8 +191,10 @@ class FitLoop:
         """Load ``path`` for :meth:`fit`: ``(start epoch, start batch, this replica's epoch
         accumulator state, notes, initial test metrics)``; the history goes to
         :attr:`history`."""
+        asked = _hyperparameters(self.optimizer) if self.method is None else []
         with phase("checkpoint"):
             loaded = self.load(path, expect=expect)
+        loaded.notes.extend(_take_hyperparameters(self.optimizer, asked))
         extra = loaded.extra
         for k in self.history:
             self.history[k].extend(extra["history"].get(k, []))

@@ -19,6 +19,7 @@ e.g. timm's ``t_in_epochs=False``).
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.optim import lr_scheduler as sched
@@ -71,12 +72,35 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, *, epochs: int, 
     return sched.SequentialLR(optimizer, [ramp, main], milestones=[warm])
 
 
+def _legacy(pending: dict, setting: dict) -> dict | None:
+    """The schedule of a checkpoint written before the setting was saved, as far as its torch
+    scheduler state tells (base rates; the cosine's length); the rest assumed unchanged."""
+    state = pending.get("scheduler")
+    if not state:
+        return None
+    subs = state.get("_schedulers") or [state]  # SequentialLR: warm-up, then the main one
+    old = dict(setting, base_lrs=[float(b) for b in subs[0].get("base_lrs", setting["base_lrs"])])
+    if setting["kind"] == "cosine" and "T_max" in subs[-1]:
+        old["epochs"] = int(subs[-1]["T_max"]) // setting["batches"] + setting["warmup_epochs"]
+    return old
+
+
 class LRSchedule:
     """Trainer callback: builds :func:`make_scheduler` for the trainer's optimizer when the fit
     starts (it needs the number of batches per epoch), steps it after every optimizer step,
     and saves / restores its state and the optimizer's current rates with the checkpoint
     (exact ``--resume``). The rates it gave every step so far are in :attr:`lrs` (first
     parameter group).
+
+    A resume whose schedule differs from the checkpoint's -- other ``epochs`` (extending or
+    shortening the run), ``kind``, warm-up, step length, ``gamma`` or base rate (the
+    optimizer's ``lr``) -- **re-plans** it: from the resumed step on, the rates are those of
+    the new schedule at that step, as if the run had been planned with the new settings from
+    its start (e.g. 2 cosine epochs extended to 4: cosine over the 4 epochs' steps, so the rate
+    at the end of epoch 2 is half the base rate, not 0, and reaches 0 at the end of epoch 4).
+    The re-plan is added to the fit's resume notes (``plan.notes``, printed by
+    :class:`~mgrit.training.ConsoleLog` when it comes after this callback). A resume with
+    this callback but no saved state (the run had none) re-plans as well.
 
     Args:
         kind, warmup_epochs, step_epochs, gamma: as :func:`make_scheduler` (checked at
@@ -88,23 +112,67 @@ class LRSchedule:
         _check(kind, max(warmup_epochs + 1, 1), 1, warmup_epochs, step_epochs, gamma)
         self.kind, self.warmup_epochs = kind, warmup_epochs
         self.step_epochs, self.gamma = step_epochs, gamma
-        self.scheduler = None
+        self.scheduler, self._optimizer = None, None
+        self.setting: dict | None = None  # the schedule being followed (saved, compared)
         self._pending = None
         self.lrs: list = []
 
     def on_fit_start(self, trainer, plan) -> None:
-        opt = trainer.optimizer
-        self.scheduler = make_scheduler(opt, self.kind, epochs=plan.epochs,
-                                        batches=plan.batches_per_epoch,
-                                        warmup_epochs=self.warmup_epochs,
-                                        step_epochs=self.step_epochs, gamma=self.gamma)
-        if self._pending is not None:  # resumed: the saved position and rates
-            if self.scheduler is not None and self._pending["scheduler"] is not None:
-                self.scheduler.load_state_dict(self._pending["scheduler"])
-            for group, lr in zip(opt.param_groups, self._pending["lrs"]):
+        opt = self._optimizer = trainer.optimizer
+        base = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
+        self.setting = {"kind": self.kind,  # (only the cosine's length depends on epochs)
+                        "epochs": plan.epochs if self.kind == "cosine" else None,
+                        "batches": plan.batches_per_epoch, "warmup_epochs": self.warmup_epochs,
+                        "step_epochs": self.step_epochs, "gamma": float(self.gamma),
+                        "base_lrs": base}
+        pending, self._pending = self._pending, None
+        saved = None if pending is None else pending.get("setting", _legacy(pending, self.setting))
+        if pending is not None and (saved is None or saved == self.setting):
+            # resumed with the same schedule (or from a checkpoint that did not record it):
+            # the saved position and rates, exactly
+            self.scheduler = self._build(opt, plan)
+            if self.scheduler is not None and pending["scheduler"] is not None:
+                self.scheduler.load_state_dict(pending["scheduler"])
+            for group, lr in zip(opt.param_groups, pending["lrs"]):
                 group["lr"] = lr
-            self.lrs = list(self._pending["history"])
-            self._pending = None
+            self.lrs = list(pending["history"])
+            return
+        done = len(pending["history"]) if pending is not None else trainer.steps_done
+        if pending is not None:
+            self.lrs = list(pending["history"])
+        if not done:  # a fresh fit
+            self.scheduler = self._build(opt, plan)
+            return
+        was = float(pending["lrs"][0] if pending is not None and pending["lrs"]
+                    else opt.param_groups[0]["lr"])
+        for g, b in zip(opt.param_groups, base):  # the new schedule from its start ...
+            g["lr"] = b
+            g.pop("initial_lr", None)
+        self.scheduler = self._build(opt, plan)
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # ("lr_scheduler.step() before optimizer.step()")
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(done):  # ... advanced to the resumed step
+                    self.scheduler.step()
+        constant = (lambda d: d is None or (d["kind"] == "none" and not d["warmup_epochs"]))
+        if self.scheduler is None and constant(saved):
+            return  # a constant rate before and now (a changed lr is the optimizer's note)
+        if saved is None:
+            why = "the checkpoint has no schedule state"
+        else:
+            why = ", ".join(f"{k} {'-' if saved.get(k) is None else saved.get(k)} -> "
+                            f"{'-' if v is None else v}" for k, v in self.setting.items()
+                            if saved.get(k) != v)
+        plan.notes.append(
+            f"learning-rate schedule re-planned ({why}): {self.kind} over {plan.epochs} "
+            f"epoch(s) x {plan.batches_per_epoch} batches, warm-up {self.warmup_epochs} "
+            f"epoch(s), base rate {base[0]:g}; step {done} continues at the new schedule's "
+            f"rate {opt.param_groups[0]['lr']:.4g} (the checkpoint's rate was {was:.4g})")
+
+    def _build(self, opt, plan):
+        return make_scheduler(opt, self.kind, epochs=plan.epochs, batches=plan.batches_per_epoch,
+                              warmup_epochs=self.warmup_epochs, step_epochs=self.step_epochs,
+                              gamma=self.gamma)
 
     def on_step_end(self, trainer, record) -> None:
         self.lrs.append(trainer.optimizer.param_groups[0]["lr"])  # the rate this step used
@@ -112,10 +180,11 @@ class LRSchedule:
             self.scheduler.step()
 
     def state_dict(self) -> dict:
-        opt_lrs = [] if self.scheduler is None else [
-            float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
+        opt_lrs = [] if self._optimizer is None else [
+            float(g["lr"]) for g in self._optimizer.param_groups]
         return {"scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "lrs": opt_lrs, "history": [float(v) for v in self.lrs]}
+                "lrs": opt_lrs, "history": [float(v) for v in self.lrs],
+                "setting": None if self.setting is None else dict(self.setting)}
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = state

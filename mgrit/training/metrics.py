@@ -198,6 +198,10 @@ class MetricsWriter:
         self._nb = max(1, plan.batches_per_epoch)
         self.initial = (plan.initial_test_acc, plan.initial_test_loss)
         self.config.setdefault("parameters", plan.parameters)
+        if plan.resumed_from:  # what the resume changed (summary.json; the list may grow in
+            # later callbacks' on_fit_start, e.g. a re-planned learning-rate schedule)
+            self.extra["resumed"] = {"from": plan.resumed_from, "at_epoch": plan.start_epoch + 1,
+                                     "at_batch": plan.start_batch, "notes": plan.notes}
         if not trainer.is_root:
             return
         if self._csv is None:  # steps.csv, rewritten with the steps restored by a resume

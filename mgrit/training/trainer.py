@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from ..collective import agreed, rendezvous
 from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
 from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
-from .callbacks import check_callbacks
+from .callbacks import check_callbacks, restore_states, state_keys
 from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from .support.faults import phase
 from .fit import FitLoop, _positive_int
@@ -60,8 +60,14 @@ class Trainer(FitLoop):
             ``grid.layer_size`` must be 1). Its MGRIT solves are phase-tagged for fault reports.
             Or a :class:`~mgrit.training.method.TrainingMethod` (layer-wise training), which
             runs its own updates in place of the step above; then ``optimizer=None``.
-        optimizer: the user's ``torch.optim.Optimizer`` over ``net``'s parameters on this rank
-            (schedulers stay with the user: step them in ``on_epoch_end``).
+        optimizer: the user's ``torch.optim.Optimizer`` over ``net``'s parameters on this rank.
+            A learning-rate schedule is stepped once per optimizer step by the
+            :class:`~mgrit.training.LRSchedule` callback (saved in checkpoints, re-planned
+            when a resume changes its length or rate); a scheduler of the user's own is
+            stepped in an ``on_step_end`` hook (per step) or ``on_epoch_end`` (per epoch) and
+            saved by the user. On ``fit(resume=...)`` this optimizer's hyper-parameters
+            (``lr``, ``momentum``, ...) replace the checkpoint's; the changes are in the
+            resume notes (see ``docs/features/resume.rst``).
         grid: :class:`~mgrit.parallel.ProcessGrid` (default: one process, ``COMM_SELF``).
         loss: ``loss(output, target) -> mean loss`` (default ``F.cross_entropy``); evaluation
             calls it with ``reduction="sum"`` when it accepts that keyword. (A TrainingMethod
@@ -304,8 +310,8 @@ class Trainer(FitLoop):
 
     # -- checkpoints ------------------------------------------------------------------------
     def _callback_states(self) -> dict:
-        return {f"{i}:{type(cb).__name__}": cb.state_dict()
-                for i, cb in enumerate(self.callbacks) if hasattr(cb, "state_dict")}
+        return {key: cb.state_dict() for cb, key in zip(self.callbacks, state_keys(self.callbacks))
+                if key is not None}
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
         """Save network, optimizer, RNG states, callback states and ``extra`` to ``path``
@@ -321,13 +327,12 @@ class Trainer(FitLoop):
                         rank_extra={"callbacks": self._callback_states()})
 
     def load(self, path: str | os.PathLike, expect: dict | None = None) -> LoadedCheckpoint:
-        """Load a checkpoint of :meth:`save` (any grid); restores callback states and the
-        step count. Returns the :class:`~mgrit.training.checkpoint.LoadedCheckpoint`."""
+        """Load a checkpoint of :meth:`save` (any grid); restores callback states (by their
+        stable keys, :func:`~mgrit.training.callbacks.state_keys`) and the step count. Returns
+        the :class:`~mgrit.training.checkpoint.LoadedCheckpoint`; its ``notes`` name the
+        callback states that were not restored."""
         loaded = load_checkpoint(path, self.net, self.optimizer, self.grid, expect=expect)
-        saved = loaded.rank_extra.get("callbacks", {})
-        for i, cb in enumerate(self.callbacks):
-            key = f"{i}:{type(cb).__name__}"
-            if hasattr(cb, "load_state_dict") and key in saved:
-                cb.load_state_dict(saved[key])
+        loaded.notes.extend(restore_states(self.callbacks,
+                                           loaded.rank_extra.get("callbacks", {})))
         self.steps_done = int(loaded.extra.get("steps", 0))
         return loaded

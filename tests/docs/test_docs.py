@@ -14,12 +14,14 @@ pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips t
 
 pytest.importorskip("sphinx")  # the dev and docs extras install it
 
-FEATURES = ["resnet", "segments", "transformers", "gru", "dataparallel", "checkpoints", "guard",
-            "layerwise", "mgopt", "mainjob", "tracing"]
+FEATURES = ["resnet", "segments", "transformers", "gru", "dataparallel", "checkpoints", "resume",
+            "guard", "layerwise", "mgopt", "mainjob", "tracing"]
 API = ["mgrit.solver.MGRIT", "mgrit.options.MGRITOptions", "mgrit.propagator.Propagator",
        "mgrit.nn.LayerParallelResNet", "mgrit.nn.LayerParallelNet", "mgrit.nn.ParallelGRU",
        "mgrit.parallel.ProcessGrid",
-       "mgrit.perf.trace.Tracer", "mgrit.training.Trainer", "layerwise.build_method",
+       "mgrit.perf.trace.Tracer", "mgrit.training.Trainer", "mgrit.training.LRSchedule",
+       "mgrit.training.lrschedule.make_scheduler", "mgrit.training.callbacks.state_keys",
+       "layerwise.build_method",
        "data.load_dataset"]
 
 

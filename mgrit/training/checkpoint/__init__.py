@@ -41,7 +41,7 @@ from mpi4py import MPI
 from ...collective import agreed, rendezvous
 from ...options import MGRITOptions
 from .io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
-from .match import mismatches, payloads
+from .match import mismatches, not_resumable, payloads
 from ..support.faults import phase
 from ...nn.net import alias_tied, tied_conflict
 from ..support.nets import as_net
@@ -234,7 +234,8 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
         restore_rng: set this rank's RNG states (saved rank ``r``'s; rank 0's for new ranks).
         restore_warm: restore the forward warm-start states (when saved).
         restore_options: rebuild the MGRIT solvers with the saved options when they differ
-            (e.g. a guard switched to serial propagation).
+            (e.g. a guard switched to serial propagation); the differences are named in
+            ``notes``.
 
     Raises:
         FileNotFoundError: ``path`` missing. ValueError: not a layerpar checkpoint, a file
@@ -261,6 +262,8 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
             bad = mismatches(ckpt, head, wants) or tied_conflict(ckpt["model"], net.tied_prefixes())
             if bad:
                 error = ("bad", f"checkpoint {path!r} does not match this run: {bad}")
+            if not_resumable(ckpt, head["expect"]):
+                error = ("bad", f"{path!r} {not_resumable(ckpt, head['expect'])}")
         if error is None:
             plans = payloads(ckpt, wants, (P_L, P_D), restore_warm, net.checkpoint_meta()["kind"])
     error = comm.bcast(error, root=0)
@@ -287,11 +290,21 @@ def _apply(mine, net, optimizer, restore_rng, restore_warm, restore_options) -> 
         _load_optimizer(optimizer, mine["optimizer"], _param_keys(net))
     segs = net.solver_segments()
     if restore_options and len(mine["options"]) == len(segs):
-        for seg, saved_k, current in zip(segs, mine["options"], net.solver_options()):
+        kept = []
+        for k, (seg, saved_k, current) in enumerate(zip(segs, mine["options"],
+                                                        net.solver_options())):
             for which, cur in zip(("forward", "backward"), current):
                 saved = MGRITOptions(**saved_k[which])
-                if _options_dict(saved) != _options_dict(cur):
+                a, b = _options_dict(saved), _options_dict(cur)
+                if a != b:
                     replace_solver(seg, which, saved)
+                    seg_name = f"segment {k} " if len(segs) > 1 else ""
+                    kept.append(f"{seg_name}{which} " + ", ".join(
+                        f"{n} {a[n]} (this run: {b[n]})" for n in a if a[n] != b.get(n)))
+        if kept:  # (the same on every rank: the options are global)
+            mine["notes"].append(f"the checkpoint's MGRIT options continue (a convergence "
+                                 f"guard or bias monitor may have changed them): "
+                                 f"{'; '.join(kept)}")
     if restore_warm and segs:
         net.set_warm_states(mine["warm"])
     if restore_rng:

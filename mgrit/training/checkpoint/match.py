@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mismatches", "payloads"]
+__all__ = ["not_resumable", "mismatches", "payloads"]
 
 _MAX_SHOWN = 5
 _DROPPED = "warm-start states missing from the checkpoint for some layers: those start cold"
@@ -25,6 +25,17 @@ def _keys(names) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def not_resumable(ckpt: dict, expect: dict) -> str | None:
+    """Why ``ckpt`` cannot be resumed at all (None: it can be compared): a weights-only file
+    (no ``expect`` key recorded, e.g. a run's final ``model.pt``)."""
+    saved_extra = ckpt.get("extra", {})
+    if expect and not any(k in saved_extra for k in expect):
+        return ("is not a training checkpoint: it holds weights only, no training position "
+                "(e.g. a run's final model.pt): resume from the checkpoint a training run "
+                "writes (checkpoint.pt: --checkpoint-every K, Trainer(checkpoint=...))")
+    return None
+
+
 def mismatches(ckpt: dict, head: dict, wants: list) -> str | None:
     """Everything in which ``ckpt`` differs from this run, as one message (None if nothing).
 
@@ -42,6 +53,15 @@ def mismatches(ckpt: dict, head: dict, wants: list) -> str | None:
             if _plain(saved.get(k)) != _plain(cur[k]):
                 diffs.append(f"{what}: {saved.get(k)} in the checkpoint, {cur[k]} in the model")
     s_opt, c_opt = ckpt["optimizer"]["type"], head["optimizer_type"]
+    layerwise = [t == "MethodOptimizer" for t in (s_opt, c_opt)]  # a TrainingMethod's view
+    if s_opt is not None and c_opt is not None and layerwise[0] != layerwise[1]:
+        saved_by = ("a layer-wise training method (--method sequential or decoupled)"
+                    if layerwise[0] else f"one network trained with {s_opt} (--method mgrit "
+                                         f"or serial)")
+        this = ("a layer-wise training method" if layerwise[1]
+                else f"one network trained with {c_opt}")
+        return (f"the checkpoint was written by {saved_by}, this run is {this}: resume with "
+                f"the method that wrote it")
     if s_opt is not None and c_opt is not None and s_opt != c_opt:
         diffs.append(f"optimizer: {s_opt} in the checkpoint, {c_opt} in this run (the saved "
                      f"state does not fit {c_opt}: resume with {s_opt})")
