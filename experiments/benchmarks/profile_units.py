@@ -91,9 +91,41 @@ def measure(lp, x, m, comm, reps, events, optimizer) -> dict:
         for p, g in zip(params, grads):
             p.sub_(g, alpha=1e-3)
     u["optimizer_min"] = _best(opt_min, reps) if params else 0.0
+    u.update(_per_tensor_costs(lp, reps))
     cc = pingpong(comm, (8, batch * width * 4), repeats=max(reps, 10))
     u["comm"] = None if cc is None else [cc.latency, cc.bandwidth]
     return u
+
+
+def _per_tensor_costs(lp, reps) -> dict:
+    """What a step pays per parameter tensor outside the bound, on copies of this rank's
+    parameters (leaves): ``fanout`` -- ``torch.stack`` of every name's layer tensors with
+    autograd and its backward (the node's stacked gradient handed to each layer's ``.grad``);
+    ``sgd_<kind>`` -- one ``torch.optim.SGD.step`` over all of them, per tensor
+    (``foreach=False``, PyTorch's CPU default), ``foreach=True`` and ``fused=True`` (``None``
+    where this torch refuses it)."""
+    stack = lp._chain._stack
+    if stack is None:
+        return {}
+    leaves = {n: [t.detach().clone().requires_grad_(True) for t in stack._lists[n]]
+              for n in stack.names}
+
+    def fan():
+        for ls in leaves.values():
+            for t in ls:
+                t.grad = None
+        outs = [torch.stack(ls) for ls in leaves.values()]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    out = {"fanout": _best(fan, reps)}
+    flat = [t for ls in leaves.values() for t in ls]
+    for kind in ("sgd", "foreach", "fused"):
+        kw = {"sgd": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+        try:
+            opt = torch.optim.SGD(flat, lr=0.0, **kw[kind])
+            out[f"sgd_{kind}"] = _best(opt.step, reps)
+        except (RuntimeError, ValueError):
+            out[f"sgd_{kind}"] = None
+    return out
 
 
 def combine(per_rank: list) -> tuple:
@@ -120,6 +152,14 @@ def combine(per_rank: list) -> tuple:
 
 def _ms(v) -> str:
     return "–" if v is None else f"{1e3 * v:.2f}"
+
+
+def _per_tensor(b: dict, kind: str) -> str:
+    u = max(b["units"], key=lambda v: (v.get("fanout") or 0) + (v.get(f"sgd_{kind}") or 0))
+    if u.get("fanout") is None:
+        return "–"
+    alts = ", ".join(f"{k[4:]} {_ms(u.get(k))}" for k in ("sgd_sgd", "sgd_foreach", "sgd_fused"))
+    return f"{_ms(u['fanout'])} + {_ms(u.get(f'sgd_{kind}'))} (SGD {alts})"
 
 
 def markdown(res: dict, command: str) -> str:
@@ -154,7 +194,8 @@ def markdown(res: dict, command: str) -> str:
     lines += ["## Bound: recorded operations at measured unit costs", "",
               "| m | ops forward (single / batched calls / items) | ops adjoint | messages | "
               "bound ms (fwd + adj + extra) | measured CPU ms (slowest rank) | measured / bound "
-              "| bound reached |", "|---|---|---|---|---|---|---|---|"]
+              "| bound reached | per-tensor costs ms (fan-out + this SGD) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for m in ms:
         b = res["bounds"].get(m) or res["bounds"].get(str(m))
         if b is None:
@@ -172,11 +213,14 @@ def markdown(res: dict, command: str) -> str:
         lines.append(f"| {m} | {ops('forward')} | {ops('adjoint')} | {msgs} | "
                      f"{_ms(b['bound_s'])} ({_ms(pl.get('forward'))} + {_ms(pl.get('adjoint'))} "
                      f"+ {_ms(b['extra_s'])}) | {_ms(cpu)} | {cpu / b['bound_s']:.2f} | "
-                     f"{b['bound_s'] / cpu:.2f} |")
+                     f"{b['bound_s'] / cpu:.2f} | {_per_tensor(b, res['optimizer'])} |")
     lines += ["", "Operation counts per rank (rank 0 + rank 1 ...). The bound leaves out the "
               "solver's host work, Python, the autograd fan-out of the stacked gradient to the "
               "layers' parameters and waits beyond a message's latency; `extra` is the "
               "adjoint's linearization + the batched parameter-gradient kernel + one optimizer "
-              "op per stacked tensor. Unit costs (seconds, per rank) are in the JSON beside "
+              "op per stacked tensor. The last column: what the step pays per parameter tensor "
+              "outside the bound (autograd's fan-out of the stacked gradient to every layer's "
+              "`.grad`; the optimizer over every layer's tensors, per tensor / foreach / fused), "
+              "timed on copies of the parameters. Unit costs (seconds, per rank) are in the JSON beside "
               "this table."]
     return "\n".join(lines) + "\n"
