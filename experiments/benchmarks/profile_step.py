@@ -72,13 +72,19 @@ class Clock:
 
     def __init__(self):
         self.t = {}
+        self._open = set()  # phases being timed: a nested call of the same phase counts once
 
     @contextmanager
     def phase(self, name):
+        if name in self._open:
+            yield
+            return
+        self._open.add(name)
         w, c = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
+            self._open.discard(name)
             a, b = self.t.get(name, (0.0, 0.0))
             self.t[name] = (a + time.perf_counter() - w, b + time.process_time() - c)
 
@@ -90,7 +96,8 @@ class Clock:
 
 
 def make_lp(N, width, m, comm):
-    o = lambda it: MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=it, relax="F")  # noqa: E731
+    def o(it):
+        return MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=it, relax="F")
     return LayerParallelResNet.build(lambda k: DenseStep(width, "tanh"), N, (width,), comm=comm,
                                      forward=o(2), backward=o(1))
 
@@ -229,7 +236,7 @@ def run(args, comm) -> dict:
     bounds = {}
     for m, pc in configs.items():
         trace = pc.tracer.gather(comm, root=0)
-        u = units.measure(pc.lp, x, m, comm, args.unit_reps, trace_events(pc.tracer), args.optimizer)
+        u = units.measure(pc.lp, x, m, comm, args.unit_reps, trace_events(pc.tracer))
         allu = comm.gather(u, root=0)
         if rank == 0:
             costs, comm_cost, extra = units.combine(allu)

@@ -7,7 +7,8 @@ layers an F-relaxation sweep uses; at least two counts, for the fit ``call + ite
 single forward and adjoint steps, the adjoint's linearization of the local layers
 (``act'(z)``, once per adjoint solve), the batched parameter-gradient kernel
 (``stacked_gradients``), the optimizer at its minimum (one ``sub_`` per stacked tensor) and the
-message cost (ping-pong of one state, P > 1).
+message cost (ping-pong of one state, P > 1; wall time). Kernels and per-tensor costs are
+process CPU time, min of k calls.
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ __all__ = ["measure", "combine", "markdown"]
 
 
 def _best(fn, reps: int) -> float:
+    """Min over ``reps`` calls of ``fn``'s process CPU time (the measured side is CPU time too:
+    on a loaded machine a wall clock counts the time the process was not scheduled)."""
     fn()
     best = float("inf")
     for _ in range(max(reps, 1)):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     return best
 
 
@@ -63,10 +66,9 @@ def _single_cost(step, events, label, m, batch, width, reps) -> float | None:
     return _best(lambda: step(u, start, start + m ** level, level), reps)
 
 
-def measure(lp, x, m, comm, reps, events, optimizer) -> dict:
+def measure(lp, x, m, comm, reps, events) -> dict:
     """This rank's unit costs (seconds; collective over ``comm`` for the ping-pong).
-    ``events``: ``[(label, step event)]`` of one traced step. ``optimizer``: the kind timed
-    (its minimum is one op per stacked tensor whatever the kind)."""
+    ``events``: ``[(label, step event)]`` of one traced step."""
     batch, width, n_local = x.shape[0], x.shape[1], len(lp.steps)
     chain = lp._chain
     tensors = chain.refresh()
@@ -228,8 +230,8 @@ def markdown(res: dict, command: str) -> str:
               "op per stacked tensor. Per-tensor costs: what the step pays per parameter tensor "
               "outside the bound (autograd's fan-out of the stacked gradient to every layer's "
               "`.grad`; the optimizer over every layer's tensors, per tensor / foreach / fused), "
-              "timed on copies of the parameters; the last column adds them to the bound (in place of "
-              "the optimizer minimum): the bound of a model whose layers are separate modules. "
-              "Unit costs (seconds, per rank) are in the JSON beside "
-              "this table."]
+              "timed on copies of the parameters; the last column adds them to the bound (in "
+              "place of the optimizer minimum): the bound of a model whose layers are separate "
+              "modules. Unit costs (process CPU seconds, min of k calls; messages: wall) per "
+              "rank are in the JSON beside this table."]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ from mgrit.perf.trace.bound import step_bound
 
 
 def _traced_step(m=4, N=16):
-    o = lambda it: MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=it, relax="F")  # noqa: E731
+    def o(it):
+        return MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=it, relax="F")
     lp = LayerParallelResNet.build(lambda k: DenseStep(3), N, (3,), forward=o(2), backward=o(1))
     tr = Tracer()
     tr.attach(lp._fsolver, "forward")
