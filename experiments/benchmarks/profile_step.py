@@ -20,6 +20,9 @@ Phases (per rank, milliseconds; wall time and process CPU time, ``time.process_t
   the stacked gradient to the layers' ``.grad`` by autograd);
 * ``optimizer``: ``zero_grad`` + ``step``; ``python``: the step minus all of the above.
 
+The timed steps run traced (:class:`mgrit.perf.trace.Tracer`: two clock reads and a list
+append per propagator call, about 1 us each, inside the measured step).
+
 Bound (:mod:`mgrit.perf.trace.bound`): the step's recorded operations priced at unit costs
 timed apart in the same run (min of ``--unit-reps`` calls): batched forward and adjoint
 kernels at every interval count the trace holds, single steps, the adjoint's linearization,
