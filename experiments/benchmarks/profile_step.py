@@ -63,6 +63,7 @@ from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS, LeanResNet, compiled_train_step  # noqa: E402
 from mgrit.perf.trace import Tracer  # noqa: E402
 from mgrit.perf.trace.bound import step_bound  # noqa: E402
+from mgrit.training import report  # noqa: E402
 
 PHASES = ("forward", "forward.kernels", "forward.waits", "forward.host", "forward.outside",
           "adjoint", "adjoint.kernels", "adjoint.waits", "adjoint.host", "pgrad",
@@ -289,15 +290,18 @@ def main(argv=None):
     if bad or args.reps < 1:
         raise SystemExit(f"--ms {bad} / --reps {args.reps}: use factors >= 2 dividing N and "
                          f"repeats >= 1")
+    meta = report.run_metadata(world_size=comm.Get_size())  # provenance, as every table's
     res = run(args, comm)
     if comm.Get_rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"profile_step_p{res['P']}"
-        stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-        md = units.markdown(res, " ".join(sys.argv))
-        stem.with_suffix(".md").write_text(md)
-        print(md)
+        meta = report.finish_metadata(meta)
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, **res}, indent=1,
+                                                        default=str))
+        title, body = units.markdown(res)
+        report.write_table(stem.with_suffix(".md"), title, meta, body)
+        print(stem.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

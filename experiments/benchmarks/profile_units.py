@@ -170,19 +170,18 @@ def _with_per_tensor(b: dict, kind: str, cpu: float) -> str:
     return f"{cpu / (b['bound_s'] + worst):.2f}" if worst > 0 else "–"
 
 
-def markdown(res: dict, command: str) -> str:
-    """The profile table, the bound table and the conditions (rank 0's report)."""
+def markdown(res: dict) -> tuple:
+    """``(title, body)``: the profile table, the bound table and the conditions (rank 0's
+    report; the caller adds the provenance block)."""
     P = res["P"]
     gate = "reliable" if res["reliable"] else "**UNRELIABLE (loaded machine)**"
-    lines = [f"# Profile of the MGRIT training step, P = {P}", "",
-             f"N = {res['N']}, width {res['width']}, batch {res['batch']}, float32, 2 levels, "
+    lines = [f"N = {res['N']}, width {res['width']}, batch {res['batch']}, float32, 2 levels, "
              f"F-relaxation, 2 forward / 1 adjoint cycles, SGD ({res['optimizer']}), "
              f"{res['reps']} interleaved repeats (medians), torch {res['torch']}, "
              f"{res['threads']} thread(s) per rank.", "",
              f"1-minute load average before / after the repeats / after the unit costs: "
              + " / ".join(f"{v:.2f}" for v in res["load1"])
-             + f" against {P} own process(es): {gate} (gate: load <= P + 0.5).", "",
-             f"Command: `{command}`", ""]
+             + f" against {P} own process(es): {gate} (gate: load <= P + 0.5).", ""]
     ms = res["ms"]
     for row in res["ranks"]:
         r = row["rank"]
@@ -234,4 +233,4 @@ def markdown(res: dict, command: str) -> str:
               "place of the optimizer minimum): the bound of a model whose layers are separate "
               "modules. Unit costs (process CPU seconds, min of k calls; messages: wall) per "
               "rank are in the JSON beside this table."]
-    return "\n".join(lines) + "\n"
+    return f"Profile of the MGRIT training step, P = {P}", "\n".join(lines) + "\n"
