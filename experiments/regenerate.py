@@ -131,9 +131,11 @@ REGISTRY: tuple[Entry, ...] = (
           ("--out", "{out}"), ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
     # issue 34 item 1: the MGRIT training step phase by phase, per rank, with its bound
     # (N = 1024, m = 16/32/64; a load gate marks loaded runs unreliable)
-    Entry("profile_step_p1", "experiments/benchmarks/profile_step.py", None, ("--out", "{out}"),
+    Entry("profile_step_p1", "experiments/benchmarks/profile_step.py", None,
+          ("--compile", "--out", "{out}"),
           ("--quick", "--out", "{out}"), "timing", "perf helper (issue 34)"),
-    Entry("profile_step_p2", "experiments/benchmarks/profile_step.py", 2, ("--out", "{out}"),
+    Entry("profile_step_p2", "experiments/benchmarks/profile_step.py", 2,
+          ("--compile", "--out", "{out}"),
           ("--quick", "--out", "{out}"), "timing", "perf helper (issue 34)"),
     # named as its results folder (studies/multilevel/), so that its headline.json reaches the
     # README block (issue 24 item 2; it was "study_multilevel")
