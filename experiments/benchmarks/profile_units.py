@@ -164,6 +164,12 @@ def _per_tensor(b: dict, kind: str) -> str:
     return f"{_ms(u['fanout'])} + {_ms(u.get(f'sgd_{kind}'))} (SGD {alts})"
 
 
+def _speedups(res: dict, cpu: float) -> str:
+    base = res["ranks"][0]["baselines"]
+    return " / ".join("–" if base.get(k, {}).get("cpu") is None else
+                      f"{base[k]['cpu'] / cpu:.2f}" for k in ("lean", "compiled lean"))
+
+
 def _with_per_tensor(b: dict, kind: str, cpu: float) -> str:
     worst = max((u.get("fanout") or 0.0) + (u.get(f"sgd_{kind}") or 0.0)
                 - u.get("optimizer_min", 0.0) for u in b["units"])
@@ -202,7 +208,8 @@ def markdown(res: dict) -> tuple:
               "| m | ops forward (single / batched calls / items) | ops adjoint | messages | "
               "bound ms (fwd + adj + extra) | measured CPU ms (slowest rank) | measured / bound "
               "| bound reached | per-tensor costs ms (fan-out + this SGD) | measured / (bound + "
-              "per-tensor) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "per-tensor) | speed-up over lean / compiled lean (rank 0's CPU / this) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in ms:
         b = res["bounds"].get(m) or res["bounds"].get(str(m))
         if b is None:
@@ -221,7 +228,7 @@ def markdown(res: dict) -> tuple:
                      f"{_ms(b['bound_s'])} ({_ms(pl.get('forward'))} + {_ms(pl.get('adjoint'))} "
                      f"+ {_ms(b['extra_s'])}) | {_ms(cpu)} | {cpu / b['bound_s']:.2f} | "
                      f"{b['bound_s'] / cpu:.2f} | {_per_tensor(b, res['optimizer'])} | "
-                     f"{_with_per_tensor(b, res['optimizer'], cpu)} |")
+                     f"{_with_per_tensor(b, res['optimizer'], cpu)} | {_speedups(res, cpu)} |")
     lines += ["", "Operation counts per rank (rank 0 + rank 1 ...). The bound leaves out the "
               "solver's host work, Python, the autograd fan-out of the stacked gradient to the "
               "layers' parameters and waits beyond a message's latency; `extra` is the "
