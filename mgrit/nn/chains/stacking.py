@@ -175,15 +175,19 @@ class Stacked:
         # native kernels only where the contract allows them (mgrit.nn.chains.contract.kernel)
         self._native = kernel(self.template, "forward_batched") is not None
         self._extras = kernel(self.template, "stack_extras") if self._native else None
+        t = self.template  # decided with the proof, like _native (the adjoint's hot loop
+        # asks for every batched step; the fingerprint rebuilds this object on any change)
+        self._closed = bool(self._native and kernel(t, "closed_form_vjp")
+                            and kernel(t, "vjp_batched") is not None
+                            and kernel(t, "linearize_batched") is not None)
 
     @property
     def closed_form_vjp(self) -> bool:
         """The module has a closed-form batched VJP (DenseStep with a built-in activation)
-        that its contract allows (:func:`mgrit.nn.chains.contract.kernel`): no autograd graph."""
-        t = self.template
-        return bool(self._native and kernel(t, "closed_form_vjp")
-                    and kernel(t, "vjp_batched") is not None
-                    and kernel(t, "linearize_batched") is not None)
+        that its contract allows (:func:`mgrit.nn.chains.contract.kernel`): no autograd graph.
+        Decided when the stack is built (the batching proof), as the native forward kernel is:
+        O(1) per call."""
+        return self._closed
 
     def refresh(self, grad: bool = False) -> dict:
         """Stack the current values into a new snapshot (the tensors of earlier snapshots are

@@ -64,6 +64,22 @@ def _act_derivative(act: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 
 _WT = "linear.weight^T"  # DenseStep.stack_extras: not a parameter name
+#: from this many elements on, the batched kernels' tanh is 2 sigmoid(2 z) - 1 (see _tanh_)
+_FAST_TANH_MIN = 4096
+
+
+def _tanh_(z: torch.Tensor) -> torch.Tensor:
+    """``tanh(z)`` in place for the batched kernels (a fresh tensor). On CPU, from
+    :data:`_FAST_TANH_MIN` elements on and outside autograd, as ``2 sigmoid(2 z) - 1``: torch's
+    eager CPU ``tanh`` is 2.5x (16K float32 elements) to 4.5x (512K) slower than that sequence
+    of four vectorized passes; the result differs from ``torch.tanh`` by round-off (at most
+    1.8e-7 absolute in float32, 3.4e-16 in float64, measured over ``|z|`` from 1e-6 to 30);
+    ``+-inf`` and NaN as ``tanh``. Smaller tensors (a single layer's step), CUDA and tensors
+    that autograd records use ``tanh_`` itself. A module's own ``forward`` is never changed."""
+    if (z.numel() < _FAST_TANH_MIN or z.device.type != "cpu"
+            or (z.requires_grad and torch.is_grad_enabled())):
+        return z.tanh_()
+    return z.mul_(2.0).sigmoid_().mul_(2.0).sub_(1.0)
 
 
 def _linear_obstacle(owner: str, name: str, m: nn.Module, bias: bool = True) -> str | None:
@@ -143,7 +159,7 @@ class DenseStep(nn.Module):
         (nothing else holds ``z``), any other activation as a module call."""
         kind = type(self.act)
         if kind is nn.Tanh:
-            return z.tanh_()
+            return _tanh_(z)
         if kind is nn.ReLU:
             return z.relu_()
         return self.act(z)
@@ -170,7 +186,7 @@ class DenseStep(nn.Module):
         :meth:`vjp_batched` at the same states."""
         z = self._pre_activation(p, x)
         if type(self.act) is nn.Tanh:  # 1 - tanh(z)^2 in place: the same values, no temporaries
-            return z.tanh_().square_().neg_().add_(1.0)
+            return _tanh_(z).square_().neg_().add_(1.0)
         return _act_derivative(self.act, z)
 
     def vjp_batched(self, p: dict, x: torch.Tensor | None, v: torch.Tensor,

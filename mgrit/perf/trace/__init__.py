@@ -9,6 +9,8 @@ recorded as it ran (measured), and its critical path under calibrated costs (mod
   dependencies with per-operation and per-message costs;
 * :func:`step_costs` (:mod:`~mgrit.perf.trace.costs`): a cost table fitted to a trace's
   recorded step durations;
+* :func:`step_bound` (:mod:`~mgrit.perf.trace.bound`): a training step's recorded solves priced
+  at measured unit costs, plus its work outside the solves at its minimum (issue 34);
 * ``trace_resnet`` (:mod:`~mgrit.perf.trace.resnet`, also a command): a layer-parallel
   ResNet's forward and adjoint solves at any ``P``;
 * :mod:`~mgrit.perf.trace.calibrate` (also a command): the replay's and the cost model's costs
@@ -22,6 +24,7 @@ from .recorder import TracedPropagator, Tracer
 from .replay import UNIT, ReplayResult, replay
 from .trace import COUNT_KEYS, Trace
 from .costs import step_costs
+from .bound import StepBound, step_bound
 
 __all__ = ["Tracer", "TracedPropagator", "Trace", "COUNT_KEYS", "replay", "ReplayResult", "UNIT",
-           "step_costs"]
+           "step_costs", "StepBound", "step_bound"]
