@@ -4,6 +4,9 @@ MGRIT for gradients, layer-parallel networks (:mod:`mgrit.nn`), data-parallel an
 (:mod:`mgrit.perf`). Importing ``mgrit`` alone imports nothing heavy; import the subpackages.
 """
 
+from ._moved import install as _install_moved
 from ._version import __version__
+
+_install_moved()  # old import paths of moved modules and names (mgrit/_moved.py)
 
 __all__ = ["__version__"]

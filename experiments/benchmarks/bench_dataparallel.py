@@ -74,7 +74,7 @@ from mgrit import perf  # noqa: E402
 from mgrit.parallel.dataparallel import (GradientBuckets, average_gradients,  # noqa: E402
                                          check_replicas_consistent)
 from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 
 def mlp():

@@ -59,7 +59,7 @@ from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.gru import ParallelGRU  # noqa: E402
 from mgrit.nn.gru.chains import GRUChain  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training.report import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
                                    write_raw, write_table)
 
 FULL_LENGTHS = [128, 256, 512, 1024, 2048, 4096]

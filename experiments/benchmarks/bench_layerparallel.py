@@ -62,7 +62,7 @@ from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf import calibration as cal, netcal, strategies as st  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS, LeanResNet, compiled_forward, compiled_train_step  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 WIDTH, BATCH, LR = 8, 64, 1e-3
 LEAN_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes of the lean curves (GPipe micro-batches)

@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base folder
 from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.steps.transformer import LINEAR_KERNELS, TransformerStep  # noqa: E402
-from mgrit.training.report import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
+from mgrit.reporting.writers import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
 
 LAYERS = 16
 CHUNKS = {"2^16": 2 ** 16, "2^18": 2 ** 18, "2^20": 2 ** 20, "all": 2 ** 62}

@@ -57,7 +57,7 @@ from mgrit.grid import Partition  # noqa: E402
 from mgrit.parallel.gradbuckets import GradientBuckets  # noqa: E402
 from mgrit.perf import planner, strategies  # noqa: E402
 from mgrit.perf.baselines import GPipe, ModuleStage  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
 from mgrit.models import build_model  # noqa: E402
 

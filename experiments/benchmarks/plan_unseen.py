@@ -84,7 +84,7 @@ from mgrit import perf  # noqa: E402
 from mgrit.models import build_model  # noqa: E402
 from mgrit.parallel.gradbuckets import GradientBuckets  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 SEED = 2024
 DEPTH = (16, 2048)

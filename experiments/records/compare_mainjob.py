@@ -15,7 +15,7 @@ numbers that chose it; test numbers are reported for the chosen setting only.
 
 Reported (every number computed from the runs' ``summary.json``): per epoch, the mean test and
 validation accuracy of each method with its 95% Student-t interval over the seeds
-(``mgrit.training.report.interval``) and the gap MGRIT - serial with the paired interval
+(``mgrit.reporting.writers.interval``) and the gap MGRIT - serial with the paired interval
 (``report.paired_interval``), as tables and ``gap.png``; the verdict against the 1-point target
 is what the last epoch's paired interval supports (:func:`experiments.records.seeds.verdict`:
 within, below, above, or not resolved), not a hand-written sentence.
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
 from experiments.records import records, seeds  # noqa: E402
-from mgrit.training.report import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
                                    run_metadata, spread, write_table)
 
 STUDY = "mnist_mgrit_vs_serial"

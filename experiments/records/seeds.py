@@ -4,8 +4,8 @@ summaries (the job's ``summary.json`` as :func:`experiments.records.records.load
 so the unit test feeds it hand-made ones.
 
 * :func:`per_epoch` -- per epoch, each method's mean with its 95% interval over seeds
-  (:func:`mgrit.training.report.interval`) and the gap MGRIT - serial with the paired
-  interval (:func:`~mgrit.training.report.paired_interval`: the same seed in both arms);
+  (:func:`mgrit.reporting.writers.interval`) and the gap MGRIT - serial with the paired
+  interval (:func:`~mgrit.reporting.writers.paired_interval`: the same seed in both arms);
 * :func:`choose` -- a solver setting chosen on the VALIDATION split only (mean over seeds of
   the last epoch's validation metric; ties go to the first, cheapest candidate), returning the
   numbers that chose it;
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from mgrit.training.report import interval, paired_interval, plot_lines
+from mgrit.reporting.writers import interval, paired_interval, plot_lines
 
 #: metric -> (summary.json epochs key, better: +1 higher / -1 lower, gap unit, scale)
 #: accuracy gaps in percentage points (MGRIT - serial); loss gaps relative, in % of serial

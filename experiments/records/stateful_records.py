@@ -46,7 +46,7 @@ OUT = ROOT / "experiments" / "results" / "records"  # default results base folde
 
 from experiments.records import records  # noqa: E402
 from experiments.records import seeds as rseeds  # noqa: E402
-from mgrit.training.report import (add_study_flags, interval, paired_interval,  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, interval, paired_interval,  # noqa: E402
                                    results_dir, run_metadata, skip, write_table)
 
 #: seeds per study (issue 24 item 2: >= 5 where a run takes under a minute, >= 3 otherwise;

@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
 from experiments.records import records, seeds  # noqa: E402
-from mgrit.training.report import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
                                    run_metadata, write_table)
 
 STUDY = "transformers"

@@ -1,9 +1,9 @@
 """Accuracy comparisons over seeds, as the evidence tables state them (issue 24, item 2).
 
 Every accuracy comparison of the reproductions and studies reports, per arm, the mean over seeds
-with its Student-t 95% interval (:func:`mgrit.training.report.interval`), and -- where the arms
+with its Student-t 95% interval (:func:`mgrit.reporting.writers.interval`), and -- where the arms
 share seeds (same initial weights and batch order per seed) -- the interval of the paired
-difference (:func:`mgrit.training.report.paired_interval`), epoch by epoch (:func:`gap_rows`),
+difference (:func:`mgrit.reporting.writers.paired_interval`), epoch by epoch (:func:`gap_rows`),
 not only at the last epoch. The verdict (:func:`verdict`) is computed from the difference's
 interval and a margin stated with it, never written by hand.
 
@@ -17,13 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 __all__ = ["fmt", "fmt_values", "verdict", "gap_rows", "checkpoints", "GAP_HEADER"]
 
 
 def fmt(iv: dict, scale: float = 1.0, digits: int = 1, unit: str = "", signed: bool = False) -> str:
-    """``"mean [lo, hi]"`` of an :func:`~mgrit.training.report.interval` dict, each times
+    """``"mean [lo, hi]"`` of an :func:`~mgrit.reporting.writers.interval` dict, each times
     ``scale`` (100 for accuracies in points/percent) with ``digits`` decimals, ``unit`` appended
     to the mean (``"%"``); ``signed``: a ``+`` on positive numbers (differences). One seed:
     ``"mean (1 seed, no interval)"``."""

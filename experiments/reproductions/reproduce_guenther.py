@@ -147,7 +147,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "reproductions"  # default results base folder
-from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
+from mgrit.reporting import writers as reporting  # noqa: E402  (light: stdlib + numpy)
 
 # --help must not pay for torch/MPI start-up: answer it before the heavy imports
 if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):

@@ -70,7 +70,7 @@ from experiments.reproductions import kirby_report, kirby_timing  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.nn import ConvStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 STUDY = "kirby2020"
 PARTS = ("accuracy", "timing")  # plus "count" (the count model), written by every run

@@ -63,7 +63,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from data import GlobalBatchSampler, load_dataset  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, TwoConvStep, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402

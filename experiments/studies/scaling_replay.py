@@ -76,7 +76,7 @@ from mgrit.perf.steptime import resnet_times  # noqa: E402
 from mgrit.perf.trace import UNIT, Trace, replay  # noqa: E402
 from mgrit.perf.trace.calibrate import STRATEGIES as MODELS  # noqa: E402
 from mgrit.perf.trace.calibrate import as_stepcost, strategy_times, train_costs  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 STUDY = "scaling_replay"
 

@@ -48,7 +48,7 @@ from data import load_dataset  # noqa: E402
 from mgrit.nn import LayerParallelNet  # noqa: E402
 from mgrit.parallel import ProcessGrid  # noqa: E402
 from mgrit.training import ConsoleLog, Trainer, fail_fast  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.training.bias import BiasMonitor  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
 from mgrit.models import build_model  # noqa: E402

@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "studies"  # default results base folder
 
-from mgrit.training import report  # noqa: E402
+from mgrit.reporting import writers as report  # noqa: E402
 
 STUDY = "gru"
 #: 3 forward / 2 adjoint cycles (one of :data:`SWEEP`; the README's recommendation for row-MNIST).

@@ -66,7 +66,7 @@ from torch.nn import functional as F  # noqa: E402
 from data import load_dataset  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from layerpar.job import run_job  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
 from mgrit.multilevel.mgopt import MGOpt  # noqa: E402

@@ -93,7 +93,7 @@ from mgrit.models import build_model  # noqa: E402
 from mgrit.parallel import GradientBuckets, ProcessGrid  # noqa: E402
 from mgrit.perf.baselines import GPipe, ModuleStage  # noqa: E402
 from mgrit.training import Trainer, fail_fast  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.training.bias import BiasMonitor  # noqa: E402
 
 STUDY = "time_to_accuracy"
