@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
 from experiments.records import records  # noqa: E402
-from experiments.records import seeds as rseeds  # noqa: E402
+from experiments.reports import seeds as rseeds  # noqa: E402
 from mgrit.reporting.writers import (add_study_flags, interval, paired_interval,  # noqa: E402
                                    results_dir, run_metadata, skip, write_table)
 
@@ -108,7 +108,7 @@ def _pairs(base: Path, model: str, seeds) -> dict:
 
 def analyse(base: Path, study: str, seeds) -> dict:
     """Per model of ``study``: the per-epoch test accuracy of both methods and the paired gap
-    MGRIT - serial (:func:`experiments.records.seeds.per_epoch`), the verdict of the last
+    MGRIT - serial (:func:`experiments.reports.seeds.per_epoch`), the verdict of the last
     epoch's gap against :data:`TOL`, and the paired gaps of the MGRIT run's final weights with
     the exact forward (to serial, and to the same run's inexact forward)."""
     out = {}
@@ -122,7 +122,7 @@ def analyse(base: Path, study: str, seeds) -> dict:
         mg = [100 * pairs[k][1]["final"]["test_acc"] for k in ks]
         ex = [100 * pairs[k][1]["exact_eval"]["test_acc"] for k in ks]
         out[model] = {"pairs": pairs, "test": test,
-                      "verdict": rseeds.verdict(test[-1]["gap"], TOL, "points"),
+                      "verdict": rseeds.record_verdict(test[-1]["gap"], TOL, "points"),
                       "exact": interval(ex) if ks else None,
                       "exact_vs_serial": paired_interval(ser, ex) if ks else None,
                       "exact_vs_inexact": paired_interval(mg, ex) if ks else None}
