@@ -29,12 +29,12 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
 Run directories ``experiments/results/records/mnist_mgrit_vs_serial/runs/resnet-s<seed>-<method>/``
 (``<method>``: ``serial`` or ``mgrit-<cycles>``; the job's files, the MGRIT run's final weights
 evaluated with the exact serial forward in ``exact_eval.json``, the load average around the job
-in ``load.json``). Full-mode run time, estimated on 2 idle cores: 5 serial runs of ~9 s (start-up
-~6 s, 6 epochs of ~0.3 s plus evaluation) and 15 MGRIT runs of ~15 s (start-up ~8 s, 6 epochs of
-~0.7 s, the exact evaluation): about 5 minutes. ``--smoke``: seeds 0 and 1, the candidate
-2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy
-machine; the times per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows) and ``experiments/reports/seeds.py``
-(intervals, choice, verdict).
+in ``load.json``). Full-mode run time: 318 s (5 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``): 5 serial and 15 MGRIT runs. ``--smoke``: seeds 0 and 1, the
+candidate 2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a
+busy machine; the times per epoch are wall times under the recorded load (kind: mixed).
+Machinery: ``records.py`` (jobs, rows) and ``experiments/reports/seeds.py`` (intervals, choice,
+verdict).
 """
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ Studies (``--study``):
   without it the study prints why and exits with ``EXIT_SKIP`` (``experiments/regenerate.py``
   lists it as ``skip``).
 
+Full-mode run time: ``batchnorm_dropout`` 938 s (16 min) measured at 01fee7f, 2 idle cores,
+``tied_resnet`` 273 s (5 min) measured at 01fee7f, 2 idle cores (``results/manifest.json``).
+
 Usage (plain python: the script launches the 2-rank jobs itself with the venv's mpiexec)::
 
     python experiments/records/stateful_records.py --study batchnorm_dropout --full

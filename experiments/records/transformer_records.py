@@ -35,13 +35,12 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
 
 Run directories:
 ``experiments/results/records/transformers/runs/<model>-<variant>-s<seed>-<method>/``
-(``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time: 39 min on
-2 idle cores at commit 48a9d82 with the 4-block GPT (measured; per epoch GPT serial ~5.5 s,
-MGRIT 3 / 2 ~18 s); the 8-block GPT roughly doubles the GPT's share, so about an hour now
-(estimated from a 1-epoch probe). ``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only,
-tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy machine; the times
-per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs,
-rows, the exact evaluation) and ``experiments/reports/seeds.py`` (intervals, choice, verdict).
+(``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time: 3594 s (60 min)
+measured at 01fee7f, 2 idle cores, the 8-block GPT (``results/manifest.json``).
+``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle
+cores). Accuracy is valid on a busy machine; the times per epoch are wall times under the
+recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows, the exact evaluation) and
+``experiments/reports/seeds.py`` (intervals, choice, verdict).
 """
 from __future__ import annotations
 
