@@ -89,7 +89,7 @@ class TrainingMethod(nn.Module):
         return fn(out, target) if self.is_last else None
 
     def global_modules(self) -> list:
-        """``[("", self)]``: the method under its own state-dict keys (a ``torch.compile``\ d
+        """``[("", self)]``: the method under its own state-dict keys (a ``torch.compile``\\ d
         module as the module it wraps)."""
         return [("", plain_module(self))]
 
