@@ -108,16 +108,34 @@ NAMES = {
 MOVED = MODULES
 
 
-def _warn(old: str, new: str, stacklevel: int = 3) -> None:
+def _internal(filename: str) -> bool:
+    return (filename == __file__ or filename.startswith("<frozen importlib")
+            or filename.replace("\\", "/").endswith(("importlib/__init__.py",
+                                                      "importlib/_bootstrap.py",
+                                                      "importlib/_bootstrap_external.py")))
+
+
+def _bootstrap(filename: str) -> bool:
+    return "importlib" in filename and "_bootstrap" in filename
+
+
+def _warn(old: str, new: str) -> None:
+    """The DeprecationWarning, attributed to the user's import line (the first frame outside
+    this module and the import machinery), so Python's default filters show it in a script."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        if frame is not None and not _bootstrap(frame.f_code.co_filename):
+            level += 1  # warnings.warn itself skips the import machinery's frames
     warnings.warn(f"{old} moved to {new}; import it from there (the old path goes in 0.3.0)",
-                  DeprecationWarning, stacklevel=stacklevel)
+                  DeprecationWarning, stacklevel=level)
 
 
 def _moved_name(modname: str, name: str):
     new = NAMES.get(modname, {}).get(name)
     if new is None:
         return None
-    _warn(f"{modname}.{name}", f"{new}.{name}", stacklevel=4)
+    _warn(f"{modname}.{name}", f"{new}.{name}")
     return getattr(importlib.import_module(new), name)
 
 

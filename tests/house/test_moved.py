@@ -5,6 +5,7 @@ home do not warn; ``python -m`` of an old module runs the new one. The table is
 from __future__ import annotations
 
 import importlib
+import json
 import importlib.util
 import subprocess
 import sys
@@ -101,3 +102,52 @@ def test_unknown_names_are_still_errors():
     with pytest.raises(AttributeError, match="no_such_name"):
         import layerwise
         getattr(layerwise, "no_such_name")
+
+
+#: Public names that left the library (CHANGELOG.md, "Removed"): old module -> names.
+REMOVED = {
+    "mgrit.training.nets": {"blocks", "describe_solvers", "exact_tolerance", "net_meta",
+                            "owned_points", "replicated_parameters", "segments",
+                            "set_warm_states", "solver_options", "solver_results",
+                            "solver_summary", "warm_states"},
+    "mgrit.training.guenther": {"Problem", "lbfgs_armijo"},
+    "mgrit.comm": {"abort_on_exception"},
+    "mgrit.training.models": {"register"},
+    "mgrit.perf.calibration": {"model_section"},
+}
+#: every public name (``__all__``, else the public top-level definitions) of every version of
+#: every public library module in git since 0.1.0, by module path (generated once from
+#: ``git log`` of mgrit/, layerwise/, layerpar/, data/; add a module's names when it moves)
+HISTORY = Path(__file__).with_name("public_names_history.json")
+
+
+def test_every_public_name_of_history_imports_from_its_path():
+    """``from <module> import <name>`` works for every public name any version of the library
+    had (through the table where it moved), unless the name was removed (REMOVED)."""
+    history = json.loads(HISTORY.read_text())
+    failed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module, names in sorted(history.items()):
+            gone = REMOVED.get(module, set())
+            if set(names) <= gone:
+                continue
+            mod = importlib.import_module(module)
+            failed += [f"{module}.{n}" for n in names if n not in gone and not hasattr(mod, n)]
+    assert failed == [], failed
+    stale = [f"{m}.{n}" for m, ns in REMOVED.items() for n in ns if n not in history.get(m, [])]
+    assert stale == [], f"REMOVED names no module had: {stale}"
+
+
+def test_warning_points_at_the_users_import_and_shows_by_default():
+    """Attributed to the line of the user's script (``__main__``), so Python's default filters
+    print it; also for a moved name."""
+    code = ("import mgrit.training.report\n"
+            "from mgrit.perf.model import Plan\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert ("<string>:1: DeprecationWarning: mgrit.training.report moved to "
+            "mgrit.reporting.writers") in p.stderr, p.stderr
+    assert ("<string>:2: DeprecationWarning: mgrit.perf.model.Plan moved to "
+            "mgrit.perf.configs.Plan") in p.stderr, p.stderr
