@@ -5,7 +5,10 @@ import sys
 
 sys.path.insert(0, os.path.abspath(".."))  # the packages of this checkout, not an installed copy
 
+from mgrit._version import __version__ as release  # noqa: E402  (the one version source)
+
 project = "layerpar"
+version = release
 author = "layerpar authors"
 copyright = "layerpar authors (MIT License)"
 extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax",

@@ -32,7 +32,7 @@ study lands in ``experiments/results/<room>/<study>/``; ``MANIFEST.md``, ``manif
 ``logs/`` stay at the top of the output folder.
 
 Statuses in the manifest: ``ok`` (exit 0), ``skip (<reason>)`` (the script ran and did nothing
-on this machine: it exited with :data:`mgrit.training.report.EXIT_SKIP`, 75, after printing
+on this machine: it exited with :data:`mgrit.reporting.writers.EXIT_SKIP`, 75, after printing
 ``SKIP: <reason>``, e.g. a GPU benchmark without a GPU), ``failed (<exit status>)``,
 ``missing (...)`` (a registered script that does not exist) and ``not run (...)`` (not in this
 mode or part). The generated README block lists the scripts of the last run that were ``skip``.
@@ -63,7 +63,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 README = ROOT / "experiments" / "README.md"
 BEGIN, END = "<!-- BEGIN GENERATED: regenerate.py -->", "<!-- END GENERATED: regenerate.py -->"

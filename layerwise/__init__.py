@@ -37,3 +37,7 @@ __all__ = ["LOSSES", "OPTIMIZERS", "HEAD_KINDS", "GROW_MODES", "METHODS", "make_
            "ResidualStep", "split_stages", "global_batches", "shard", "shard_loss",
            "DecoupledModel", "DecoupledTrainer", "stage_step", "DecoupledPipeline",
            "SequentialTrainer", "evaluate", "build_method", "train_layerwise"]
+
+from mgrit._moved import module_getattr  # noqa: E402
+
+__getattr__ = module_getattr(__name__)  # ReplicaSync, SYNC_TYPES: now in mgrit.parallel.replicas

@@ -4,6 +4,11 @@ MGRIT for gradients, layer-parallel networks (:mod:`mgrit.nn`), data-parallel an
 (:mod:`mgrit.perf`). Importing ``mgrit`` alone imports nothing heavy; import the subpackages.
 """
 
+from ._moved import install as _install_moved
+from ._torchcheck import check as _check_torch
 from ._version import __version__
+
+_check_torch()  # an untested torch is refused (docs/torch_internals.rst)
+_install_moved()  # old import paths of moved modules and names (mgrit/_moved.py)
 
 __all__ = ["__version__"]

@@ -2,4 +2,4 @@
 exported as ``mgrit.__version__`` and ``layerwise.__version__`` (``data.__version__`` reads the
 installed metadata, so that ``data`` imports nothing from ``mgrit``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -15,7 +15,7 @@ compiled baselines, interleaved repeats, the gradient error of inexact configura
   baselines (medians), and the sentence that says where layer-parallel wins and where it loses.
 * :func:`timing_table` -- one row per option: median [IQR], min-max, speed-up vs the strongest
   baseline, the gradient (or forward) error.
-* :func:`cell` -- ``median [q1-q3]`` of :func:`mgrit.training.report.spread`.
+* :func:`cell` -- ``median [q1-q3]`` of :func:`mgrit.reporting.writers.spread`.
 * :func:`compile_lean_dp` -- the compiled data-parallel baseline of the lean loop: each rank
   the compiled lean step on its shard, one ``Allreduce`` of the flat gradient (agreed over the
   ranks whether it compiles, before any other communication).
@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from mgrit.perf.lean import COMPILE_ERRORS
-from mgrit.training.report import spread
+from mgrit.reporting.writers import spread
 
 __all__ = ["interleave", "try_compile", "grad_error", "speedups", "verdict", "cell", "raw_path",
            "compile_lean_dp", "timing_table", "net_grad_error",

@@ -46,7 +46,7 @@ from data import GlobalBatchSampler, open_h5_pair, prepare, write_idx  # noqa: E
 from data.cifar import load_cifar10  # noqa: E402
 from data.datasets import mnist5k_arrays  # noqa: E402
 from data.idx import load_mnist  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 
 def timed(fn, repeats):

@@ -6,10 +6,8 @@ Usage (from the repository root):
     python experiments/benchmarks/bench_dataparallel.py --quick  # smoke test (2 steps, 1 pair, small batches)
     python experiments/benchmarks/bench_dataparallel.py --steps 20 --global-batch 1024
 
-Full mode: estimated about 4 minutes on 2 idle cores (90 s before the interleaved same-ranks
-launch; that launch: 10 repeats of 8 options on 2 models, about 1 minute, plus torch.compile of
-both models for the serial and the data-parallel baseline, about 1 minute); ``--quick`` (no
-compile, 2 repeats) about a minute.
+Full mode: 204 s (3 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``);
+``--quick`` (no compile, 2 repeats) about a minute.
 
 The headline table times every option on the same 2 ranks in one launch, interleaved
 (``--repeats`` rounds, A B C A B C ...): serial and ``torch.compile``'d serial on rank 0 alone,
@@ -74,7 +72,7 @@ from mgrit import perf  # noqa: E402
 from mgrit.parallel.dataparallel import (GradientBuckets, average_gradients,  # noqa: E402
                                          check_replicas_consistent)
 from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 
 def mlp():

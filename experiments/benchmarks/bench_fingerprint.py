@@ -19,7 +19,7 @@ a shared machine hits both alike; the tables give the median over R repeats, the
 
 Writes ``experiments/results/benchmarks/fingerprint_overhead.md`` and, beside it, every
 per-repeat time in seconds with its median, quartiles and min/max
-(``fingerprint_overhead.raw.json``, :func:`mgrit.training.report.write_raw`; series
+(``fingerprint_overhead.raw.json``, :func:`mgrit.reporting.writers.write_raw`; series
 ``N=<n>/<what>``); ``--out DIR``.
 Usage: ``OMP_NUM_THREADS=1 python experiments/benchmarks/bench_fingerprint.py [--repeats R] [--smoke]``.
 """
@@ -39,7 +39,7 @@ OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base fo
 from mgrit.nn import DenseStep, LayerParallelResNet  # noqa: E402
 from mgrit.nn.chains.contract import autocast_enabled  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training.report import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
+from mgrit.reporting.writers import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
 
 WIDTH, BATCH = 8, 64
 

@@ -31,7 +31,7 @@ OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base fo
 
 from mgrit.nn import DenseStep, LayerParallelResNet, make_step  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 
 def sync(dev):

@@ -28,9 +28,8 @@ strongest baseline, MGRIT's relative error of ``h_N`` and of the parameter gradi
 ``mean(h_N^2)`` (1 rank, the same options), and one verdict sentence per rank count.
 ``main`` returns per length ``[N, GRUCell ms, nn.GRU ms, N tau_s ms, MGRIT 1 rank ms, nn.GRU /
 MGRIT 1 rank, bound 1 rank, MGRIT 2 ranks ms, nn.GRU / MGRIT 2 ranks, bound 2 ranks, err h_N 1
-rank, err h_N 2 ranks, gradient err]``. Full mode (6 lengths, 10 repeats, compile): estimated
-about a minute on 2 idle cores (11 s before, with 5 non-interleaved repeats and no compile;
-compile of nn.GRU about 10 s per process).
+rank, err h_N 2 ranks, gradient err]``. Full mode (6 lengths, 10 repeats, compile):
+84 s measured at 48a9d82, 2 idle cores (``results/manifest.json``).
 
 Writes ``<out>/bench_gru.md`` (default ``experiments/results``). ``--smoke``: tiny sizes, two
 short lengths, seconds (run by tests/nn/test_gru.py). Do not trust timings on a loaded machine.
@@ -59,7 +58,7 @@ from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.gru import ParallelGRU  # noqa: E402
 from mgrit.nn.gru.chains import GRUChain  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training.report import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, markdown_table, run_metadata,  # noqa: E402
                                    write_raw, write_table)
 
 FULL_LENGTHS = [128, 256, 512, 1024, 2048, 4096]

@@ -31,12 +31,10 @@ times in ``bench_layerparallel.raw.json`` beside the table.
 
 Usage: ``python experiments/benchmarks/bench_layerparallel.py [--quick]`` writes
 experiments/results/benchmarks/bench_layerparallel.md (``--quick``/``--smoke``: N = 64, one
-repeat, no compile: a smoke test of well under a minute on 2 idle cores; full: N = 256, 1024,
-10 interleaved repeats, compiled baselines: estimated 4-5 minutes on 2 idle cores -- 264 s
-before at N = 256, 1024, 4096 with 5 repeats, of which N = 4096 took about three quarters;
-torch.compile about 20 s in the 1-process part and 30 s per 2-rank launch. N = 4096 was dropped
-to keep 10 repeats within the record run's budget). The 2-rank part runs as
-``mpiexec -n 2 python -m mpi4py experiments/benchmarks/bench_layerparallel_ranks.py``.
+repeat, no compile: a smoke test of well under a minute on 2 idle cores; full: N = 256, 1024, 10
+interleaved repeats, compiled baselines: 272 s (5 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``)). The 2-rank part runs as ``mpiexec -n 2 python -m mpi4py
+experiments/benchmarks/bench_layerparallel_ranks.py``.
 """
 from __future__ import annotations
 
@@ -62,7 +60,7 @@ from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf import calibration as cal, netcal, strategies as st  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS, LeanResNet, compiled_forward, compiled_train_step  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 WIDTH, BATCH, LR = 8, 64, 1e-3
 LEAN_SIZES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes of the lean curves (GPipe micro-batches)

@@ -9,7 +9,7 @@ from mgrit import perf
 from mgrit.options import MGRITOptions
 from mgrit.perf import calibration as cal, strategies as st
 from mgrit.perf.validation import KIRBY, error_table, kirby_table
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 from experiments.benchmarks import baselines_common as bc
 
 BATCH = 64

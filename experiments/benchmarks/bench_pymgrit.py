@@ -65,7 +65,7 @@ from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.problems import Dahlquist, Heat1D  # noqa: E402
 from mgrit.propagator import Propagator  # noqa: E402
 from mgrit.solver import MGRIT  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from tests.pymgrit_ref import _pymgrit, build_pymgrit_levels  # noqa: E402
 
 from experiments.reports.study_parts import write_headline  # noqa: E402

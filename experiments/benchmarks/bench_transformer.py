@@ -45,8 +45,8 @@ batched call as median [IQR] (and the batched call's min-max), the batched call'
 the faster of the two serial loops, its error against the loop (exact up to round-off: no
 MGRIT cycles here), and a verdict sentence; the raw per-repeat seconds per call are in
 ``bench_transformer.raw.json``. Data parallelism does not apply (one process times one rank's
-layers). Full mode: 12 sizes, 10 repeats: estimated 2-3 minutes on 2 idle cores (42 s before
-with 7 repeats and no compile; compiling the layer takes several seconds per size).
+layers). Full mode: 12 sizes, 10 repeats: 136 s (2 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``).
 
 Writes ``experiments/results/benchmarks/bench_transformer.md`` (``--out DIR``: ``DIR/bench_transformer.md``).
 Usage: ``OMP_NUM_THREADS=1 python experiments/benchmarks/bench_transformer.py [--smoke] [--causal]
@@ -69,7 +69,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 OUT = ROOT / "experiments" / "results" / "benchmarks"  # default results base folder
 from experiments.benchmarks import baselines_common as bc  # noqa: E402
 from mgrit.nn.steps.transformer import LINEAR_KERNELS, TransformerStep  # noqa: E402
-from mgrit.training.report import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
+from mgrit.reporting.writers import markdown_table, run_metadata, write_raw, write_table  # noqa: E402
 
 LAYERS = 16
 CHUNKS = {"2^16": 2 ** 16, "2^18": 2 ** 18, "2^20": 2 ** 20, "all": 2 ** 62}

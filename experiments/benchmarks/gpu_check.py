@@ -44,7 +44,7 @@ from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet  # noqa: E
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.parallel.procgrid import ProcessGrid  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.training.support.faults import fail_fast  # noqa: E402
 
 TOL = 1e-10

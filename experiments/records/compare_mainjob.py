@@ -15,9 +15,9 @@ numbers that chose it; test numbers are reported for the chosen setting only.
 
 Reported (every number computed from the runs' ``summary.json``): per epoch, the mean test and
 validation accuracy of each method with its 95% Student-t interval over the seeds
-(``mgrit.training.report.interval``) and the gap MGRIT - serial with the paired interval
+(``mgrit.reporting.writers.interval``) and the gap MGRIT - serial with the paired interval
 (``report.paired_interval``), as tables and ``gap.png``; the verdict against the 1-point target
-is what the last epoch's paired interval supports (:func:`experiments.records.seeds.verdict`:
+is what the last epoch's paired interval supports (:func:`experiments.reports.seeds.record_verdict`:
 within, below, above, or not resolved), not a hand-written sentence.
 
 Usage (plain python: the script launches the 2-rank jobs itself with the venv's mpiexec)::
@@ -29,12 +29,12 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
 Run directories ``experiments/results/records/mnist_mgrit_vs_serial/runs/resnet-s<seed>-<method>/``
 (``<method>``: ``serial`` or ``mgrit-<cycles>``; the job's files, the MGRIT run's final weights
 evaluated with the exact serial forward in ``exact_eval.json``, the load average around the job
-in ``load.json``). Full-mode run time, estimated on 2 idle cores: 5 serial runs of ~9 s (start-up
-~6 s, 6 epochs of ~0.3 s plus evaluation) and 15 MGRIT runs of ~15 s (start-up ~8 s, 6 epochs of
-~0.7 s, the exact evaluation): about 5 minutes. ``--smoke``: seeds 0 and 1, the candidate
-2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy
-machine; the times per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows) and ``seeds.py``
-(intervals, choice, verdict).
+in ``load.json``). Full-mode run time: 318 s (5 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``): 5 serial and 15 MGRIT runs. ``--smoke``: seeds 0 and 1, the
+candidate 2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a
+busy machine; the times per epoch are wall times under the recorded load (kind: mixed).
+Machinery: ``records.py`` (jobs, rows) and ``experiments/reports/seeds.py`` (intervals, choice,
+verdict).
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
-from experiments.records import records, seeds  # noqa: E402
-from mgrit.training.report import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
+from experiments.records import records  # noqa: E402
+from experiments.reports import seeds  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
                                    run_metadata, spread, write_table)
 
 STUDY = "mnist_mgrit_vs_serial"
@@ -136,7 +137,7 @@ def report(base: Path, seeds_: tuple = SEEDS, candidates: tuple = tuple(CANDIDAT
         choice_lines.append(f"| {c} | {seeds.fmt_interval(st, '%')} | {st['n']} | "
                             f"{'yes' if c == a['chosen'] else ''} |")
     last = a["test"][-1]
-    verdict = seeds.verdict(last["gap"], TOL, "points")
+    verdict = seeds.record_verdict(last["gap"], TOL, "points")
     body = [f"Serial (1 rank) vs layer-parallel MGRIT (2 ranks, inexact) at the main job's "
             f"defaults with `{' '.join(COMMON)}`, seeds {sorted(a['pairs'])}. Choice of the "
             f"MGRIT cycles on the validation split (the last 20% of the training split, "

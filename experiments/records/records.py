@@ -9,7 +9,7 @@ A record keeps each run in ``<base>/runs/<name>/`` (the job's ``config.json``,
 layer-parallel run's final weights with the exact forward (:func:`exact_evaluation`,
 ``exact_eval.json``); :func:`load` and :func:`row` turn a run directory into a table row,
 :func:`table` / :func:`commands` into markdown. The statistics over seeds (intervals, the gap
-per epoch, the held-out choice, the verdict) are ``experiments/records/seeds.py``. Every number
+per epoch, the held-out choice, the verdict) are ``experiments/reports/seeds.py``. Every number
 comes from the runs' files; nothing is typed.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ cheaper 2 / 1); the ``h1`` runs use the setting chosen for their model. The test
 looked at for it; ``choice.json`` and ``table.md`` keep the validation numbers that chose it and
 test numbers are reported for the chosen setting only. Targets (from issue 15): the ViT's test
 accuracy within 1 point of serial, the GPT's test loss within 3% of serial; the verdict is what
-the last epoch's 95% interval of the per-seed gap supports (``seeds.verdict``).
+the last epoch's 95% interval of the per-seed gap supports (``seeds.record_verdict``).
 
 Usage (plain python: the script launches the 2-rank jobs itself with the venv's mpiexec)::
 
@@ -35,13 +35,12 @@ Usage (plain python: the script launches the 2-rank jobs itself with the venv's 
 
 Run directories:
 ``experiments/results/records/transformers/runs/<model>-<variant>-s<seed>-<method>/``
-(``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time: 39 min on
-2 idle cores at commit 48a9d82 with the 4-block GPT (measured; per epoch GPT serial ~5.5 s,
-MGRIT 3 / 2 ~18 s); the 8-block GPT roughly doubles the GPT's share, so about an hour now
-(estimated from a 1-epoch probe). ``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only,
-tiny runs (4 jobs, about 30 s on 2 idle cores). Accuracy is valid on a busy machine; the times
-per epoch are wall times under the recorded load (kind: mixed). Machinery: ``records.py`` (jobs,
-rows, the exact evaluation) and ``seeds.py`` (intervals, choice, verdict).
+(``<method>``: ``serial`` or ``mgrit-c21`` / ``mgrit-c32``). Full-mode run time: 3594 s (60 min)
+measured at 01fee7f, 2 idle cores, the 8-block GPT (``results/manifest.json``).
+``--smoke``: seed 0, the ``ode`` variant, 2 / 1 only, tiny runs (4 jobs, about 30 s on 2 idle
+cores). Accuracy is valid on a busy machine; the times per epoch are wall times under the
+recorded load (kind: mixed). Machinery: ``records.py`` (jobs, rows, the exact evaluation) and
+``experiments/reports/seeds.py`` (intervals, choice, verdict).
 """
 from __future__ import annotations
 
@@ -55,8 +54,9 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "records"  # default results base folder
 
-from experiments.records import records, seeds  # noqa: E402
-from mgrit.training.report import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
+from experiments.records import records  # noqa: E402
+from experiments.reports import seeds  # noqa: E402
+from mgrit.reporting.writers import (add_study_flags, finish_metadata, results_dir,  # noqa: E402
                                    run_metadata, write_table)
 
 STUDY = "transformers"
@@ -137,7 +137,7 @@ def analyse(base: Path, seeds_, variants, candidates) -> dict:
             test = seeds.per_epoch(pairs, tkey)
             m["variants"][variant] = {
                 "pairs": pairs, "test": test, "val": seeds.per_epoch(pairs, vkey),
-                "verdict": seeds.verdict(test[-1]["gap"], tol, unit,
+                "verdict": seeds.record_verdict(test[-1]["gap"], tol, unit,
                                          seeds.METRICS[tkey][1]),
                 "plateau": {meth: seeds.plateau([p[i] for p in pairs.values()], "val_loss")
                             if len(test) > 1 else None

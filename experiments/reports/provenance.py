@@ -2,26 +2,26 @@
 and what each must say about how it was produced.
 
 Every results file carries, per run that produced it, the keys of
-:data:`mgrit.training.report.PROVENANCE_KEYS` -- ``command``, ``commit``, ``machine``, ``cores``,
+:data:`mgrit.reporting.writers.PROVENANCE_KEYS` -- ``command``, ``commit``, ``machine``, ``cores``,
 ``date``, ``loadavg`` (the 1/5/15-minute load averages when the run started) and
 ``loadavg_after`` (when its results were written) -- and a table whose 1-minute load average
-before or after was at or above ``cores`` carries :data:`~mgrit.training.report.LOAD_FLAG`.
+before or after was at or above ``cores`` carries :data:`~mgrit.reporting.writers.LOAD_FLAG`.
 ``tests/experiments/test_provenance.py`` runs :func:`problems` on every file of
 :func:`results_files`.
 
 The set of results files and what is checked in each:
 
 * ``*.md`` (tables, ``MANIFEST.md``): the metadata block under the title -- ``- key: value``
-  lines (what :func:`~mgrit.training.report.write_table` writes: one run), or
+  lines (what :func:`~mgrit.reporting.writers.write_table` writes: one run), or
   ``- <part> part: key `value`, ...`` lines (a table with parts,
-  :func:`~mgrit.training.report.part_lines`: every part is a run). Not checked: a
+  :func:`~mgrit.reporting.writers.part_lines`: every part is a run). Not checked: a
   ``summary.md`` with a ``table.md`` beside it (generated from that table's runs, which the
   check covers), ``logs/`` (the launcher's output) and ``runs/`` (see below).
 * ``*.h5`` (``results.h5``, a benchmark's ``.h5``): the file's attributes, or, for a file of
   parts (:mod:`experiments.reports.study_parts`), every ``meta/<part>`` attribute.
 * ``headline.json`` / ``<table>.headline.json``: a non-empty ``commits`` list and its table
   beside it (``table.md`` in the folder, or ``<table>.md``), which is checked itself.
-* other ``*.json`` (raw numbers, :func:`~mgrit.training.report.write_raw`; result dumps): a
+* other ``*.json`` (raw numbers, :func:`~mgrit.reporting.writers.write_raw`; result dumps): a
   ``meta`` object with every key.
 * ``runs/<run>/summary.json`` (the main job's run directories, written by ``train.py``): its
   ``argv`` and ``git_commit``; the table that cites the run carries the machine and load.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import h5py
 
-from mgrit.training.report import LOAD_FLAG, PROVENANCE_KEYS, load_flagged
+from mgrit.reporting.writers import LOAD_FLAG, PROVENANCE_KEYS, load_flagged
 
 __all__ = ["results_files", "problems", "table_runs"]
 

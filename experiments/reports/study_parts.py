@@ -20,7 +20,7 @@ from typing import Mapping
 import h5py
 import numpy as np
 
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 __all__ = ["write_part", "read_part", "parts_in", "idle_barrier", "write_headline"]
 

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from experiments.reports.study_parts import write_headline
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 __all__ = ["target_from_pilot", "first_crossing", "summarize_method", "summarize", "verdict",
            "write"]
@@ -68,7 +68,7 @@ def first_crossing(clock: Sequence[float], val_acc: Sequence[float], target: flo
 def summarize_method(runs: Sequence[Mapping], target: float, interval) -> dict:
     """Summary of one method over its seeds. ``runs``: one mapping per seed with the curve
     (``clock``, ``val_acc``, ``steps``) and ``test_acc`` (the final test accuracy);
-    ``interval``: :func:`mgrit.training.report.interval` (mean and Student-t 95% interval).
+    ``interval``: :func:`mgrit.reporting.writers.interval` (mean and Student-t 95% interval).
 
     Returns ``{"seeds", "reached", "times", "steps_to_target", "time" (interval of the times of
     the seeds that reached the target, or None), "test" (interval of every seed's test

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 from experiments.reports import seeds as st
 from experiments.reports.study_parts import read_part, write_headline
 from experiments.reproductions import guenther_timing

@@ -27,7 +27,7 @@ from mpi4py import MPI
 from experiments.reproductions import model_check as mc
 from experiments.reproductions.guenther_problem import Problem
 from mgrit.nn import SmoothReLU
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 METHODS = ("serial", "simultaneous", "compiled", "data_parallel", "compiled_dp")
 LAYER_METHODS = METHODS[:2]  # layer-parallel over the ranks; the others: 1 rank or data parallel

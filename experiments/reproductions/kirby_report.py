@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 from experiments.reports.study_parts import read_part, write_headline, write_part
 from experiments.reproductions import kirby_timing_report as ktr
 

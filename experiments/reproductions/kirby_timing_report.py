@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.reproductions import model_check as mc
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 FWD_BASE = ("sequential", "compiled")  # 1-rank serial baselines (batch 1: no data parallelism)
 TRAIN_BASE = ("sequential_train", "compiled_train")

@@ -40,12 +40,8 @@ results (``model_check``). The serial evaluation's cost is calibrated on its own
 (``calibrate_serial``, a separate 64-layer chain, not a timed network); the kernel-cost model
 used before (6-8x off at the measured points in smoke runs) is kept beside it with its error.
 
-Run time of ``--full`` on 2 idle cores (estimate): ~150 s of training (5 seeds x 2 methods x
-130 iterations, as the previous record's 153 s in all) + ~60 s timing part (N = 256: ~1.3 s per
-round of the layer-parallel methods at P = 2, ~2 s at P = 1, ~0.6 s of compiled and
-data-parallel baselines, 11 rounds) + ~40 s for inductor to compile the 2-layer block (full and
-half batch) + ~10 s for 3 calibrations: about 4.5 minutes. ``--smoke`` (eager backend): ~35 s
-of CPU per rank.
+Run time of ``--full`` (both parts): 422 s (7 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``). ``--smoke`` (eager backend): ~35 s of CPU per rank.
 
 Seeds: ``--seeds S`` runs both methods from S initializations (weight seeds 0..S-1, the same
 Peaks data, ``--data-seed``); the tables give mean +- std over the seeds, and the accuracy
@@ -156,7 +152,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "reproductions"  # default results base folder
-from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
+from mgrit.reporting import writers as reporting  # noqa: E402  (light: stdlib + numpy)
 
 # the authors' own configuration against their reference outputs (guenther_authors): the
 # launcher starts every run with mpiexec, so it must not initialize MPI itself

@@ -40,12 +40,9 @@ Two parts (``--part``; each replaces only its own group of ``results.h5``, then 
   measured cost in it; Kirby's CUDA streams in the ideal limit) is written by every run, with
   its error at the measured points. Timing-sensitive: refresh on a quiet machine.
 
-Run time of ``--full`` on 2 idle cores (estimate): the earlier record took 396 s, of which the
-timing part ~40 s; the new timing part is ~11 rounds x ~7 s (forward variants at N = 128..4096
-on 1 and 2 ranks, training steps at N = 1024 and 4096) + ~60 s for inductor to compile the
-16-layer block once (131 s measured on a machine at load 10) + ~15 s of network builds and 3
-calibrations: about 8.5 minutes in all. ``--smoke`` (eager backend instead of inductor): ~45 s on a
-loaded machine.
+Run time of ``--full`` (both parts): 947 s (16 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``). ``--smoke`` (eager backend instead of inductor): ~45 s on a loaded
+machine.
 """
 from __future__ import annotations
 
@@ -70,7 +67,7 @@ from experiments.reproductions import kirby_report, kirby_timing  # noqa: E402
 from mgrit import perf  # noqa: E402
 from mgrit.nn import ConvStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 STUDY = "kirby2020"
 PARTS = ("accuracy", "timing")  # plus "count" (the count model), written by every run

@@ -38,7 +38,7 @@ method's difference to end-to-end at the same budget (same seeds: same initial w
 a verdict computed from it (margin +-1 point, fixed in advance), and the gap pass by pass on
 the validation split (every seed's validation curve at the selected rate is stored). The
 learning rates are the only choice, made on the validation split. Run time of ``--full`` (both
-parts) on 2 idle cores: unchanged by this bookkeeping, 695 s in the record at c840ac3.
+parts): 1227 s (20 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``).
 ``--smoke``: 2 seeds, ~25 s on an idle machine.
 
 Run::
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "reproductions"  # default results base folder
-from mgrit.training import report as reporting  # noqa: E402  (light: stdlib + numpy)
+from mgrit.reporting import writers as reporting  # noqa: E402  (light: stdlib + numpy)
 
 STUDY = "layerwise"
 #: name -> (task, depth, width, kind)

@@ -39,10 +39,9 @@ layer-parallel run takes over a minute (3 epochs x ~20 s + evaluation at the las
 ``--full`` has 3 seeds. The table gives each arm's mean with its Student-t 95% interval and the
 paired difference's interval epoch by epoch; the verdict (margin +-1 point, fixed in advance) is
 computed from the last epoch's paired interval. No setting is chosen on data: all are the
-example's defaults. Run time of ``--full`` on 2 idle cores, estimated from the record at c840ac3
-(125 s for seed 1 with 3 configurations; serial ~29 s + layer-parallel ~60 s of training per
-further seed, + evaluation): ~125 + 2 x 95 = ~315 s. ``--smoke`` (2 seeds, 2 epochs, 8 steps):
-~30 s on a loaded machine.
+example's defaults. Run time of ``--full``: 417 s (7 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``). ``--smoke`` (2 seeds, 2 epochs, 8 steps): ~30 s on a loaded
+machine.
 """
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from data import GlobalBatchSampler, load_dataset  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.parallel.dataparallel import average_gradients  # noqa: E402
 from mgrit.nn import LayerParallelNet, LayerParallelResNet, TwoConvStep, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from mgrit.training import report as reporting
+from mgrit.reporting import writers as reporting
 
 def time_to(curve, target):
     return next((t for t, acc in zip(curve["time"], curve["test_acc"]) if acc >= target - 1e-12),

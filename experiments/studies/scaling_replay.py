@@ -45,12 +45,10 @@ Library API (for other studies, e.g. extrapolations that need the validated mode
 ``gradient_error``, :func:`mgrit.perf.trace.replay` (``host``, ``per_solve``), and
 :func:`predict` / :func:`curves` here.
 
-Full mode on 2 idle cores: about 3 minutes (estimate, from parts measured at load ~10: one
-calibration job 8.3 CPU-s, a P = 16 run of 3 steps 42 CPU-s -- mostly the 16 process starts --
-the curves < 1 s per calibration and kind; so 3 calibrations ~30 s, 3 P = 2 runs ~25 s, P = 4,
-8, 16 ~50 s, replays and curves ~10 s). Smoke: 5 launches, about 25 s idle (1.5-2.5 min
-measured at load ~10 on the shared 2 cores, 38 CPU-s). The smoke's numbers at that load are
-not evidence (preemption); the full run belongs on a quiet machine.
+Full mode: 96 s measured at 48a9d82, 2 idle cores (``results/manifest.json``). Smoke: 5
+launches, about 25 s idle (1.5-2.5 min measured at load ~10 on the shared 2 cores, 38 CPU-s).
+The smoke's numbers at that load are not evidence (preemption); the full run belongs on a quiet
+machine.
 Writes ``<out>/scaling_replay/``: ``table.md``, ``summary.md``, ``headline.json``,
 ``scaling_replay.raw.json`` (every number), ``strong.png``, ``weak.png``,
 ``efficiency.png`` and the traces (``trace_P{P}_r{k}.json``).
@@ -76,7 +74,7 @@ from mgrit.perf.steptime import resnet_times  # noqa: E402
 from mgrit.perf.trace import UNIT, Trace, replay  # noqa: E402
 from mgrit.perf.trace.calibrate import STRATEGIES as MODELS  # noqa: E402
 from mgrit.perf.trace.calibrate import as_stepcost, strategy_times, train_costs  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 
 STUDY = "scaling_replay"
 

@@ -45,7 +45,7 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 from data import load_dataset  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from experiments.reports.study_parts import write_headline  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402

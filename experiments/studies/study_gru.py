@@ -23,11 +23,11 @@ Seeds (issue 24, item 2): a run takes well under a minute, so ``--full`` has 5 s
 table.md gives each MGRIT arm's test accuracy against serial epoch by epoch (mean and
 Student-t 95% interval per arm, the paired difference's interval: same weights and batches per
 seed); summary.md and headline.json state the last epoch's intervals and the verdict computed
-from them (margin +-1 point, fixed in advance). Run time of ``--full`` on 2 idle cores,
-estimated from the record at c840ac3 (136.5 s for 10 runs: ~14 s a run, start and evaluation
-included): selection 6 runs + 5 seeds x 4 runs = 26 runs, ~360 s. ``--smoke`` (digits, 2
-seeds, 2 epochs, no selection (2/1 cycles), no contrast): 4 short runs, ~40 s on an idle machine
-(``--sweep --smoke`` runs the selection alone).
+from them (margin +-1 point, fixed in advance). Run time of ``--full`` (selection 6 runs + 5
+seeds x 4 runs = 26 runs): 722 s (12 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``). ``--smoke`` (digits, 2 seeds, 2 epochs, no selection (2/1 cycles),
+no contrast): 4 short runs, ~40 s on an idle machine (``--sweep --smoke`` runs the selection
+alone).
 
 Writes ``experiments/results/studies/gru/`` (or ``--out``/gru): ``table.md`` (final test accuracy of
 both, the difference, mean wall time per epoch under the machine's load, the GRU solver's
@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 OUT = ROOT / "experiments" / "results" / "studies"  # default results base folder
 
-from mgrit.training import report  # noqa: E402
+from mgrit.reporting import writers as report  # noqa: E402
 
 STUDY = "gru"
 #: 3 forward / 2 adjoint cycles (one of :data:`SWEEP`; the README's recommendation for row-MNIST).

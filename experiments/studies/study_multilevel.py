@@ -39,8 +39,8 @@ search values 1/3) and wall time. Whether MG/Opt pays (lower loss at equal work 
 is read from the paired 95% interval of the difference over the 3 seeds (``--seeds``; training
 losses, not accuracies: kept at 3 seeds for the run time).
 
-Run time of ``--full`` on 2 ranks of 2 idle cores, estimated from the record at c840ac3 (583 s
-with 3 seeds for both parts; (a) ~20 s a seed): ~583 + 2 x 20 = ~625 s. ``--smoke``: ~15 s.
+Run time of ``--full`` on 2 ranks: 1156 s (19 min) measured at 48a9d82, 2 idle cores
+(``results/manifest.json``). ``--smoke``: ~15 s.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ from torch.nn import functional as F  # noqa: E402
 from data import load_dataset  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, serial_resnet  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from layerpar.job import run_job  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
 from mgrit.multilevel.mgopt import MGOpt  # noqa: E402

@@ -57,13 +57,8 @@ against the training clock, every method and seed on the same axes, the target a
 
 Cost: ``--smoke`` (1,000 training images, deep N = 64, 1 seed, no compile): 34 s of work plus
 about 40 s of start-up measured at a load average of 12 on 2 cores; expect ~15 s on 2 idle
-cores. ``--full``: **estimated ~7 minutes on 2 idle cores, at most ~13** (not run here).
-Estimate: ``deep`` dominates -- from plan_validation.md's step times (N = 4096: serial 0.41 s,
-data parallel 0.43 s, GPipe 0.37 s) scaled to N = 1024, ~0.1 s per eager step, MGRIT at about
-half of that (measured here under load: 0.43 s vs 0.80 s serial), ~100 steps to the target,
-~20 s of compilation per compiled run: ~60 s per seed for the five methods, 5 seeds and the
-pilot ~5.5 min; ``mainjob`` (3.5-6 ms per step, ~70 steps) ~15 s per seed, most of it
-compilation, ~1.3 min. At most ~13 min if every method ran to its cap.
+cores. ``--full``: 662 s (11 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``);
+``deep`` dominates.
 """
 from __future__ import annotations
 
@@ -93,7 +88,7 @@ from mgrit.models import build_model  # noqa: E402
 from mgrit.parallel import GradientBuckets, ProcessGrid  # noqa: E402
 from mgrit.perf.baselines import GPipe, ModuleStage  # noqa: E402
 from mgrit.training import Trainer, fail_fast  # noqa: E402
-from mgrit.training import report as reporting  # noqa: E402
+from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.training.bias import BiasMonitor  # noqa: E402
 
 STUDY = "time_to_accuracy"

@@ -1,14 +1,8 @@
 """Module state across data-parallel replicas: BatchNorm statistics over the global batch, and
 a guard that refuses every other module whose buffers change in a training forward. Used by
 both training families: :class:`mgrit.training.Trainer` (end-to-end, serial and
-layer-parallel networks) and :mod:`layerwise` (sequential and decoupled training).
-
-Why: with ``R`` replicas each replica sees only its shard of the global batch. A module that
-updates state from its input in forward -- BatchNorm's batch statistics and running
-mean/variance are the common case -- would use the shard's statistics, so its outputs, the
-gradients and its buffers differ from the single-process run on the global batch, and the
-replicas drift apart (measured before this module existed: weights off by 0.31, replicas'
-running means by 0.58, 2 replicas).
+layer-parallel networks) and :mod:`layerwise` (sequential and decoupled training). Why, and
+how the statistics are combined: ``docs/features/dataparallel.rst``.
 
 :class:`ReplicaSync` (a context manager around the training steps of one set of modules):
 
@@ -17,14 +11,10 @@ running means by 0.58, 2 replicas).
   their forward is replaced, while the context is active, by :func:`sync_batch_norm`, which
   has ``torch.nn.SyncBatchNorm``'s semantics on the given MPI communicator (PyTorch's own
   needs ``torch.distributed``): the batch mean and biased variance are those of the **global**
-  batch (one ``Allgather`` per layer and forward of each replica's sample count, mean and sum
-  of squared deviations, combined in rank order with the pairwise update of Chan, Golub and
-  LeVeque 1979, so every replica gets bitwise the same statistics); the running statistics are
-  updated from them exactly as ``torch.nn.BatchNorm`` does (``momentum``, or the cumulative
-  average for ``momentum=None``; unbiased variance ``N/(N-1)``; ``num_batches_tracked``), hence
-  identically on every replica; backward sums the gradients of the mean and variance over the
-  replicas (one ``Allgather`` per layer). In eval mode the module's own forward runs (running
-  statistics; no communication). A replica with an empty shard takes part with count 0. Fewer
+  batch, bitwise the same on every replica; the running statistics are updated from them
+  exactly as ``torch.nn.BatchNorm`` does; backward sums the gradients of the mean and variance
+  over the replicas (one ``Allgather`` per layer in forward and one in backward). In eval
+  mode the module's own forward runs (running statistics; no communication). A replica with an empty shard takes part with count 0. Fewer
   than 2 values per channel over the global batch raise ``ValueError`` on every replica, like
   ``torch.nn.BatchNorm``.
 * **Every other module** is guarded: at set-up, :func:`refuse_unsynchronized` runs each
@@ -35,10 +25,6 @@ running means by 0.58, 2 replicas).
   observer); during training :meth:`ReplicaSync.end_step` repeats the check after every
   backward, before the gradients are averaged and the optimizer steps (for changes that
   depend on the data); one 1-int ``Allreduce`` per step agrees on the verdict.
-
-Inside layer-parallel steps (:mod:`mgrit.nn.steps.batchnorm`) the synchronized BatchNorms
-normalize with the global batch's statistics in every MGRIT application and update their
-running statistics once per forward, through the forward installed here.
 
 Gradient scale: the backward of the statistics sums each replica's gradient contributions, so
 the replica losses must be shares of one global loss (the shard's summed loss over the global

@@ -12,14 +12,13 @@ learning-rate schedule stepped per optimizer step, saved in checkpoints), and :f
 Modules: ``trainer`` (the step), ``fit`` (the epoch loop), ``method`` (``TrainingMethod``,
 ``MethodOptimizer``), ``epoch``, ``schedule`` (batches, shards), ``heldout`` (the
 :class:`~mgrit.training.heldout.Validation` callback: a validation split after every epoch), ``lrschedule`` (learning-rate
-schedules), ``callbacks``, ``guard``, ``metrics`` (+ ``report``, the results writers it shares
-with the experiments), ``records`` (``FitResult``, ``StepRecord``, ...), ``datapkg``.
+schedules), ``callbacks``, ``guard``, ``metrics`` (its results writers, shared
+with the experiments, are :mod:`mgrit.reporting`), ``records`` (``FitResult``, ``StepRecord``, ...), ``datapkg``.
 Sub-rooms (they import only ``support`` and lower floors): ``support`` (``faults``: phases,
 one-line failure reports; ``nets``: ``as_net``/``SerialNet``, the runtime's side of the network
 protocol :mod:`mgrit.nn.protocol`; ``solvers``: phase tags on a segment's MGRIT solves,
 rebuilding a solver with new options), ``checkpoint`` (save/load; ``io`` the file format,
-``match`` key matching) and ``bias`` (the bias monitor; ``estimate``). ``_moved``: the old
-import paths of modules moved out in issue 26 (a ``DeprecationWarning`` names the new one).
+``match`` key matching) and ``bias`` (the bias monitor; ``estimate``).
 
 Floor L3: depends on the solver core, :mod:`mgrit.nn`, :mod:`mgrit.parallel` and :mod:`data`;
 never imports a higher floor: not the model zoo (:mod:`mgrit.models`), the multilevel
@@ -54,10 +53,6 @@ One step, through the modules::
 from .datapkg import require_data_package
 
 require_data_package()  # before any module here imports data: a user's data.py is one clear line
-
-from ._moved import install as _install_moved  # noqa: E402
-
-_install_moved()  # old paths of modules moved in issue 26 (a DeprecationWarning names the new)
 
 from .bias import BiasMonitor  # noqa: E402
 from .callbacks import ConsoleLog, ProgressBar  # noqa: E402

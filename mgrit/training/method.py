@@ -33,14 +33,19 @@ from mpi4py import MPI
 from torch import nn
 from torch.nn import functional as F
 
-from ..nn.protocol import NetMixin
+from ..nn.chains.compiled import plain_module
 
 __all__ = ["TrainingMethod", "MethodOptimizer"]
 
 
-class TrainingMethod(NetMixin, nn.Module):
+class TrainingMethod(nn.Module):
     """Base class of a training method run by :class:`~mgrit.training.Trainer` in place of a
     network: the method updates its parameters itself in :meth:`train_step`.
+
+    A method is not a network: it implements the runtime's network protocol
+    (:class:`~mgrit.nn.protocol.TrainableNet`) itself, as a module with no MGRIT segments and
+    no weight ties (the solver and tie members below are constants; a model with MGRIT
+    segments is a network: :class:`~mgrit.nn.protocol.NetMixin`).
 
     Subclasses register the modules this rank trains as submodules (their ``state_dict`` keys
     are the checkpoint's keys: use the keys of the whole network, so a checkpoint written on
@@ -82,6 +87,57 @@ class TrainingMethod(NetMixin, nn.Module):
         """``fn(out, target)`` on the output rank, None elsewhere (evaluation only: a method
         computes its training losses in :meth:`train_step`)."""
         return fn(out, target) if self.is_last else None
+
+    def global_modules(self) -> list:
+        """``[("", self)]``: the method under its own state-dict keys (a ``torch.compile``\\ d
+        module as the module it wraps)."""
+        return [("", plain_module(self))]
+
+    def replicated_parameters(self) -> list:
+        """The weights of every module inside that declares ``replicated_weights = True``."""
+        return [p for m in self.modules() if getattr(m, "replicated_weights", False)
+                for p in m.parameters()]
+
+    def checkpoint_meta(self) -> dict:
+        """``{"kind": "serial"}`` (saved in checkpoints)."""
+        return {"kind": "serial"}
+
+    # a method has no MGRIT segments and no weight-tied layers
+    def tied_prefixes(self) -> dict:
+        return {}
+
+    def solver_segments(self) -> list:
+        return []
+
+    def solver_results(self) -> list:
+        return []
+
+    def solver_options(self) -> list:
+        return []
+
+    def exact_tolerance(self) -> None:
+        return None
+
+    def describe_solvers(self) -> list:
+        return []
+
+    def solver_summary(self) -> None:
+        return None
+
+    def owned_points(self) -> list:
+        return []
+
+    def warm_states(self) -> list:
+        return []
+
+    def set_warm_states(self, states: list) -> None:
+        pass
+
+    def tied_duplicates(self) -> list:
+        return []
+
+    def check_tied_replicas(self) -> None:
+        pass
 
     # -- hooks --------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int, epochs: int, shards: Sequence[int]) -> None:

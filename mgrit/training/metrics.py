@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import report
+from ..reporting import writers as report
 from .records import EpochRecord, FitPlan, FitResult, StepRecord
 
 if TYPE_CHECKING:  # annotations only: no import cycle with the trainer
@@ -46,7 +46,7 @@ def _floats(v) -> np.ndarray:
 def write_metrics(run, hist: dict, config: dict, steps: dict | None = None,
                   initial: tuple | None = None) -> None:
     """``run/metrics.h5`` atomically: ``hist[key]`` as float64 datasets (None -> NaN; HDF5
-    Fletcher-32 checksummed, :func:`~mgrit.training.report.create_checked`), the ``config`` as JSON attribute ``config`` plus its scalar entries as attributes; ``steps``
+    Fletcher-32 checksummed, :func:`~mgrit.reporting.writers.create_checked`), the ``config`` as JSON attribute ``config`` plus its scalar entries as attributes; ``steps``
     (:data:`STEP_KEYS` -> lists) as the group ``steps``; ``initial`` = ``(test accuracy, test
     loss)`` before training as attributes ``initial_test_acc`` / ``initial_test_loss``."""
     run = Path(run)

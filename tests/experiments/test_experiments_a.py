@@ -72,7 +72,7 @@ def test_torchbraid_states_differences(quick):
         assert f"{name} {s[f'cfg{i}/acc'][-1]:.4f}" in summary
     # over seeds (smoke: 2): the verdict is the paired interval of the stored accuracies
     from experiments.reports import seeds
-    from mgrit.training.report import paired_interval
+    from mgrit.reporting.writers import paired_interval
     a, b = s["seeds/serial/acc"], s["seeds/layer/acc"]
     assert a.shape == b.shape == (len(meta["seeds"]), meta["epochs"]) and len(meta["seeds"]) >= 2
     d = paired_interval(a[:, -1], b[:, -1])

@@ -89,7 +89,7 @@ def test_layerwise_sweep_memory_and_parameters(quick):
 
 
 def report_paired(a, b):
-    from mgrit.training.report import paired_interval
+    from mgrit.reporting.writers import paired_interval
     return paired_interval(a, b)
 
 

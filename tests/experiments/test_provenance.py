@@ -25,7 +25,7 @@ import pytest
 
 from experiments import regenerate as rg
 from experiments.reports import provenance as prov
-from mgrit.training import report
+from mgrit.reporting import writers as report
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
@@ -269,7 +269,7 @@ def test_readme_names_the_commit_of_the_manifest():
 
 def test_interval_matches_the_student_t_formula_and_refuses_bad_input():
     import math
-    from mgrit.training.report import interval, paired_interval
+    from mgrit.reporting.writers import interval, paired_interval
     # n = 3: t_{0.975, 2} = 4.30265 (printed tables, 6 digits); mean 2, sd 1
     r = interval([1.0, 2.0, 3.0])
     assert r["n"] == 3 and r["mean"] == 2.0 and abs(r["sd"] - 1.0) < 1e-15

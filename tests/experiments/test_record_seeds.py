@@ -1,4 +1,4 @@
-"""The bookkeeping of the records over seeds (``experiments/records/seeds.py``, issue 24 item 2)
+"""The bookkeeping of the records over seeds (``experiments/reports/seeds.py``, issue 24 item 2)
 on hand-made run summaries: per-epoch means, the paired interval of the gap MGRIT - serial
 (checked against the Student-t formula with the tabulated t quantile), the relative loss gap,
 the held-out choice (validation metrics only, ties to the cheaper candidate) and the verdicts
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from experiments.records import seeds
+from experiments.reports import seeds
 
 T975 = {1: 12.706205, 2: 4.302653, 4: 2.776445}  # t_{0.975, df} (printed tables)
 
@@ -87,9 +87,9 @@ def test_choice_uses_validation_only_and_ties_keep_the_cheaper():
 ])
 def test_verdict_follows_the_interval(lo, hi, better, expect):
     gap = {"n": 5, "mean": (lo + hi) / 2, "lo": lo, "hi": hi}
-    v = seeds.verdict(gap, 1.0, "points", better)
+    v = seeds.record_verdict(gap, 1.0, "points", better)
     assert expect in v and f"[{lo:+.2f}, {hi:+.2f}]" in v and "5 seeds" in v
-    one = seeds.verdict({"n": 1, "mean": 0.3, "lo": math.nan, "hi": math.nan}, 1.0, "points")
+    one = seeds.record_verdict({"n": 1, "mean": 0.3, "lo": math.nan, "hi": math.nan}, 1.0, "points")
     assert "one seed: no interval, no verdict" in one
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.reports.time_to_target import (first_crossing, summarize_method,
                                                 target_from_pilot, verdict)
-from mgrit.training import report
+from mgrit.reporting import writers as report
 
 
 def test_target_is_the_fraction_of_the_pilots_last_accuracy():

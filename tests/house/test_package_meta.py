@@ -2,6 +2,7 @@
 shipped, and a user's ``data.py`` shadowing the ``data`` package is one clear line."""
 
 import configparser
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,37 @@ def test_public_api_of_data_layerwise_parallel_is_annotated():
                 if bare or (sig.return_annotation is sig.empty and not label.endswith("__init__")):
                     missing.append(f"{name}.{label}: {bare or 'return'}")
     assert not missing, missing
+
+
+def test_torch_range_is_the_tested_one_in_both_places():
+    """setup.cfg's torch requirement is :data:`mgrit._torchcheck.TESTED`, the installed torch is
+    in it, and the README's install line pins its lowest version."""
+    from mgrit import _torchcheck
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    reqs = [r.strip() for r in cfg["options"]["install_requires"].split("\n") if r.strip()]
+    (lo, hi) = (f"{a}.{b}" for a, b in _torchcheck.TESTED)
+    assert f"torch>={lo},<{hi}" in reqs, reqs
+    import torch
+    assert _torchcheck.tested(torch.__version__), torch.__version__
+    assert f"pip install torch=={lo}.0 -e '.[mpich,dev]'" in (ROOT / "README.md").read_text()
+
+
+def test_untested_torch_is_refused_with_the_versions_named(monkeypatch):
+    import warnings
+
+    import pytest
+
+    from mgrit import _torchcheck
+    monkeypatch.delenv(_torchcheck.ALLOW_ENV, raising=False)
+    for v in ("2.12.1", "2.14.0+cpu", "3.0.0", "2.1.0"):
+        with pytest.raises(ImportError, match=rf"torch>=2\.13,<2\.14; torch {re.escape(v)} is installed"):
+            _torchcheck.check(v)
+    for v in ("2.13.0", "2.13.0+cpu", "2.13.1", "2.13.0a0+git1234"):
+        _torchcheck.check(v)  # no error
+    monkeypatch.setenv(_torchcheck.ALLOW_ENV, "1")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _torchcheck.check("2.14.0")
+    assert any(issubclass(w.category, RuntimeWarning) and "docs/torch_internals.rst"
+               in str(w.message) for w in seen)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mgrit.training.metrics import write_metrics
-from mgrit.training.report import save_series
+from mgrit.reporting.writers import save_series
 
 
 def test_metrics_and_results_files_are_checksummed(tmp_path):

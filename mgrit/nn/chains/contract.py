@@ -1,63 +1,21 @@
 """The eligibility contracts of ``mgrit.nn``'s fast paths and the fingerprint checked on every
-forward.
+forward (the rationale: ``docs/fast_paths.rst``; the torch internals it relies on:
+``docs/torch_internals.rst``).
 
-A fast path is an optimization of a general path that is always correct. Each one here states
-what it assumes about the step modules (its *contract*); :class:`Fingerprint` records the facts
-those contracts depend on when the chain is built and compares them with the modules on every
-forward (and at every MGRIT backward); when they differ the fast paths are rebuilt -- the
-batching proof re-run (:func:`mgrit.nn.chains.stacking.batching_obstacle`), the stacked parameters
-re-collected -- or the general path is taken. Nothing is decided once and trusted until the
-user calls ``refresh_structure()``.
+* Native kernels (``forward_batched``, ``vjp_batched``, ...) run only for a module whose class
+  defines them at or below the class that defines ``forward`` (:func:`kernel`), with no
+  instance ``forward`` and no overridden ``__call__``; :func:`kernel_obstacle` says why not.
+* Batched evaluation and the stacked snapshot: layers differ only in parameter and buffer
+  values, one dtype and device per name, no module hooks.
+* MGRIT: a step's forward is a pure function of its input and tensors; module hooks (on a
+  step or global, :func:`global_hooks_registered`) or ``torch.autocast``
+  (:func:`autocast_enabled`) make the forward run the serial pipeline instead.
 
-The fast paths and their contracts:
-
-* **Native kernels** (``forward_batched``, ``forward_layer``, ``vjp_batched`` /
-  ``linearize_batched`` / ``closed_form_vjp``, ``stack_extras``; :mod:`mgrit.nn.steps`,
-  :mod:`mgrit.nn.steps.transformer`): a kernel is run only for a module whose class defines it *at
-  or below* the class that defines ``forward`` (:func:`kernel`): a subclass of ``DenseStep``
-  that overrides ``forward`` does not inherit the parent's kernels (it gets the general
-  batched path, ``vmap`` of ``functional_call``, which calls its own ``forward``; else one call
-  per layer). An instance attribute named ``forward`` or a class that overrides ``__call__``
-  also disables every kernel. The class's ``kernel_obstacle()`` states what else its kernels
-  assume (e.g. ``DenseStep``: ``linear`` is exactly an ``nn.Linear`` with a bias).
-* **Batched evaluation** (``Stacked``, :mod:`mgrit.nn.chains.stacking`): the layers differ only in
-  parameter and buffer values (the batching proof); no module hooks; see that module.
-* **The stacked-parameter snapshot** (:mod:`mgrit.nn.resnet.bridge`): the stacked tensors are the
-  layers' current parameters and buffers (identity), with one dtype and device per name.
-* **MGRIT itself** (:class:`~mgrit.nn.resnet.LayerParallelResNet`): a step's forward is a
-  pure function of its input and tensors, evaluated any number of times per forward solve.
-  Module hooks (forward, pre-forward, backward, on any submodule of a step, or registered
-  globally) would fire on intermediate iterates, and ``torch.autocast`` changes what a layer
-  computes in ways the adjoint solve does not reproduce: under either, the forward runs the
-  serial pipeline across the ranks (:mod:`mgrit.nn.resnet.pipelined`) -- serial PyTorch's autograd of
-  the rank's layers, so hooks fire once per layer on the serial states (their outputs used, as
-  in serial) and autocast has serial semantics, also in the backward.
-
-The fingerprint (:class:`Fingerprint`; cost in ``experiments/results/benchmarks/fingerprint_overhead.md``):
-the identity of every entry of every ``_modules``, ``_parameters`` and ``_buffers`` dict in the
-steps' module trees and their total count (a parameter replaced with ``step.linear.weight =
-nn.Parameter(...)`` or ``load_state_dict(sd, assign=True)``, a submodule or step swapped, a
-parameter or buffer added); whether any module hook dict is non-empty, and the global module
-hooks; the ``training`` flags where the path in use applies one module's flags to other layers
-(the ``vmap`` path; a pattern that is the same at every layer keeps the proof valid); autocast.
-To keep the check O(1) in the depth, the dicts of the recorded modules are replaced by
-``dict`` / ``OrderedDict`` subclasses with the same contents whose *writes* (never their reads)
-count in one global counter; a forward compares that counter with the one it last saw and
-compares identities entry by entry only when it moved. Copies and pickles of the modules get
-plain dicts. dtypes and devices are not read per tensor (an attribute of a ``Parameter`` costs
-microseconds): the stacked snapshot compares the dtype and device of each stacked name with the
-template's at every forward (``torch.stack`` would promote a changed layer), and a mismatch
-rebuilds the chain (:meth:`mgrit.nn.chains.stacking.Stacked.refresh`); per-layer module calls use the
-tensors as they are, as serial does. ``requires_grad`` needs no record: the snapshot is stacked
-with autograd at every forward, so a frozen or unfrozen parameter is seen by the next forward;
-grad mode is read at every call by the kernels that depend on it. Native kernels do not read
-``training`` (their ``kernel_obstacle`` admits only modules whose forward ignores it).
-
-Not covered (compared by the batching proof when the chain is rebuilt, i.e. after any change
-above or :meth:`~mgrit.nn.resnet.LayerParallelResNet.refresh_structure`): plain Python
-attributes of a step assigned after build (``step._c = 2.0``, also ``step.forward = f``) and
-``__class__`` assignment -- checking them on every call would cost Python work per attribute;
-per-layer state that changes belongs in a buffer, and a changed function in a subclass.
+:class:`Fingerprint` records, for a rank's step modules, the identity and count of every entry
+of their ``_parameters`` / ``_buffers`` / ``_modules``, whether any hook is registered, the
+``training`` pattern where it matters, in O(1) per call; when :meth:`Fingerprint.same` is
+False the fast paths are rebuilt or the general path is taken. Not covered: plain Python
+attributes assigned after build and ``__class__`` assignment (call ``refresh_structure()``).
 """
 from __future__ import annotations
 

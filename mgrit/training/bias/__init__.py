@@ -1,57 +1,18 @@
-"""Gradient-bias monitor for inexact (fixed-iteration) layer-parallel training.
+"""Gradient-bias monitor for inexact (fixed-iteration) layer-parallel training: the rationale,
+the criterion in full and its cost are in ``docs/features/guard.rst``.
 
-Why: in inexact mode (``tol = 0``, a fixed number of forward and adjoint MGRIT cycles) the
-forward states and the adjoints carry the MGRIT iteration error, so the optimizer's gradient has
-a *systematic* error, a bias that does not average out over batches the way SGD noise does.
-Far from a minimum it is small next to the gradient; near one, with a learning rate decaying
-toward zero, the noise averages out but the bias stays, and training stalls above the serial
-loss. Jiang, Salvadó, Cyr, Kopaničáková, Krause, Schroder, "Layer-Parallel Training for
-Transformers" (arXiv 2601.09026, 2026) detect this transition and then switch to serial
-training or raise the accuracy of the layer-parallel solves. This module does the same; the
-criterion below is our own (their detector's exact form was not available to us).
-
-Criterion (every ``every`` optimizer steps, on the step's own batch, collective over the grid):
-
-* inexact gradient ``g``: the step's gradient as the optimizer gets it (``.grad`` after the
-  step's backward, averaged over the data-parallel replicas with their shard weights);
-* reference gradient: the same batch, split into ``M`` micro-batches per replica, each
-  forward + backward through a *tight* solve -- ``reference="serial"`` (one level: exact
-  sequential propagation forward and backward, the serial-equivalent solve) or
-  ``"converged"`` (the same hierarchy iterated to ``reference_tol``, cold start). Micro-batch
-  ``j`` (``n_j`` samples, global batch ``N = sum n_j``) gives ``g_j``; their weighted mean is
-  the batch's reference gradient ``G = sum_j (n_j / N) g_j``;
-* bias ``b = ||g - G||`` (2-norm over every parameter of the network: squares summed over the
-  layer communicator, where each rank holds its layers' parameters);
-* noise ``s``: standard deviation of the batch gradient ``G`` as an estimate of the full
-  gradient, from the spread of the micro-batch gradients, ``s^2 = sum_j n_j ||g_j - G||^2 /
-  ((J - 1) N)`` over all ``J`` micro-batches of all replicas (the sample-variance estimate of
-  the norm test of Byrd, Chin, Nocedal, Wu, "Sample size selection in optimization methods for
-  machine learning", Math. Program. 134, 2012, with micro-batches instead of samples; exact in
-  expectation for i.i.d. samples);
-* bias dominates when ``b > ratio * s`` (default ratio 0.5, see :class:`BiasMonitor`); after
-  ``window`` checks in a row the monitor acts:
-  ``action="raise"`` adds ``raise_by`` forward and adjoint cycles (``max_iter``) to every
-  segment, up to ``max_fwd_iters``/``max_bwd_iters``; once both are at their caps the next
-  trigger switches to serial (``at_cap="serial"``, default) or only logs (``at_cap="log"``).
-  ``action="serial"`` switches every segment to the one-level solve (``max_levels=1``,
-  exact, MGRIT's parallelism given up) for the rest of the run and stops monitoring.
-  ``action="log"`` measures and logs only.
-
-Every rank takes the same decision: the numbers are reduced over the grid and broadcast from
-its rank 0 before the comparison. Each check is one JSON line in ``log_path`` (written by the
-grid's rank 0): step, bias, noise, their ratio, the streak, the action and the solver options
-after it; an action also prints one console line there.
-
-Cost per check: one reference forward + backward of the step's batch (``M`` micro-batch
-solves per replica; ``"serial"``: a sequential pass through all ``N`` layers, i.e. about a
-serial step's work, spread over the layer ranks in turn), ``M + 1`` copies of this rank's
-gradient in float64, and small collectives (one allreduce of twice this rank's parameter
-count over the replicas, three of a few numbers, one broadcast). Amortized over ``every``
-steps: about ``(reference step time) / every`` per step. Side effects: none on training --
-RNG states, module buffers, ``.grad`` tensors (the same objects, also GradientBuckets views),
-warm-start states, ``last_forward``/``last_backward`` and the solver options are restored, so
-a monitor that never acts leaves the run bit for bit unchanged; the solvers' accumulated
-counters include the reference solves.
+Every ``every`` optimizer steps, on the step's own batch (collective over the grid): bias
+``b = ||g - G||`` of the step's gradient ``g`` against the reference gradient ``G`` of ``M``
+micro-batches per replica through a tight solve (``reference="serial"``: one level, or
+``"converged"``: the same hierarchy to ``reference_tol``), and the noise ``s`` of ``G`` from
+the micro-batches' spread. After ``window`` checks in a row with ``b > ratio * s`` (default
+ratio 0.5): ``action="raise"`` adds ``raise_by`` cycles to every segment up to
+``max_fwd_iters`` / ``max_bwd_iters``, then switches to serial (``at_cap="serial"``) or only
+logs (``at_cap="log"``); ``action="serial"`` switches every segment to the one-level solve for
+the rest of the run; ``action="log"`` only logs. Every rank takes the same decision. One JSON
+line per check in ``log_path`` (grid rank 0). A monitor that never acts leaves the run bit for
+bit unchanged (RNG states, buffers, ``.grad``, warm starts and solver options are restored;
+the solvers' counters include the reference solves).
 
 Usage (a :class:`~mgrit.training.Trainer` callback; its ``batch`` attribute gives the batch)::
 

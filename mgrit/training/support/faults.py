@@ -34,7 +34,7 @@ entry (1-based, default 1) of that phase on that rank. Example::
     LAYERPAR_INJECT_FAULT="2:coarse solve:3" mpiexec -n 4 python train.py ...
 
 Phase names used by the library (:data:`PHASES`): ``"forward relaxation"``, ``"coarse solve"``
-(forward MGRIT; see :func:`instrument_resnet`), ``"adjoint"`` (the backward solve),
+(forward MGRIT; see :func:`~mgrit.training.support.solvers.instrument_resnet`), ``"adjoint"`` (the backward solve),
 ``"pipelined forward"`` / ``"pipelined adjoint"`` (the one-level exact path of
 :mod:`mgrit.nn.resnet.pipelined`, which runs no MGRIT solve: its forward sweep and messages / its
 backward's checks, agreement and gradient messages),
