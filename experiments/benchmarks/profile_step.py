@@ -63,7 +63,7 @@ from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf.lean import COMPILE_ERRORS, LeanResNet, compiled_train_step  # noqa: E402
 from mgrit.perf.trace import Tracer  # noqa: E402
 from mgrit.perf.trace.bound import step_bound  # noqa: E402
-from mgrit.training import report  # noqa: E402
+from mgrit.reporting import writers as report  # noqa: E402
 
 PHASES = ("forward", "forward.kernels", "forward.waits", "forward.host", "forward.outside",
           "adjoint", "adjoint.kernels", "adjoint.waits", "adjoint.host", "pgrad",

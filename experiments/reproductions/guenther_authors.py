@@ -309,7 +309,7 @@ def main(argv, script) -> int:
                                     if ok else "some runs differ (see DIFFERS above)")
     print("\n" + verdict)
     if a.out:
-        from mgrit.training import report
+        from mgrit.reporting import writers as report
         commit = report.run_metadata().get("commit", "unknown")
         d = write_results(a.out, {"commit": commit, "overrides": overrides, "runs": summary,
                                   "verdict": verdict}, "\n".join(lines + ["", verdict]))
