@@ -6,7 +6,9 @@ Integrity is HDF5's own: every dataset is chunked and carries the Fletcher-32 ch
 (``fletcher32=True``), which the HDF5 library verifies on every chunk it reads; a mismatch makes
 h5py raise :class:`OSError` ("filter returned failure during read"), which the reader turns into a
 :class:`~data.errors.DataFormatError` naming the file and the dataset (:func:`read_error`). The
-SHA-256 ``checksum`` attribute additionally covers the whole content (``python -m data verify``).
+SHA-256 ``checksum`` attribute additionally covers the whole content (``python -m data verify``,
+and :func:`data.h5reader.open_h5_pair` once per file and process): Fletcher-32 sums 16-bit words
+modulo 65535, so it cannot tell a word 0x0000 from 0xFFFF.
 
 See :mod:`data.h5cache` for the file layout. Kept in its own module so that the writer, the
 reader and the data-set registry import one way only (``datasets -> h5reader -> h5format``,
