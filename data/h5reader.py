@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import operator
 import os
-import threading
 from pathlib import Path
 
 import h5py
@@ -32,7 +31,7 @@ import numpy.typing as npt
 
 from .errors import DataFormatError
 from .h5format import (CACHE_BYTES, FORMAT_VERSION, REQUIRED_ATTRS, check_checksummed, checksum, read_error,
-                       rebuild_hint)
+                       rebuild_hint, verified_once)
 from .split import Split, apply_normalization, check_labels
 
 __all__ = ["LazyRows", "H5Split", "open_h5_split", "open_h5_pair"]
@@ -318,28 +317,9 @@ class H5Split:
                 f"input_shape={self.input_shape}, normalize={self.normalize}, flatten={self.flatten})")
 
 
-#: SHA-256 verdicts of this process: file identity -> the verified checksum (see ``verify="once"``)
-_VERIFIED: dict = {}
-_VERIFIED_LOCK = threading.Lock()
-
-
-def _identity(path: Path) -> tuple:
-    """The file's identity for the verdict cache: resolved path, device, inode, size and
-    modification time (ns); a rewritten or replaced file gets a new identity."""
-    st = path.stat()
-    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 def _verify_once(s: H5Split) -> None:
-    """``s.verify_checksum()`` unless this process already verified the same file (same
-    identity, same stored checksum); a failure is never cached."""
-    key = (*_identity(s.path), s.checksum)
-    with _VERIFIED_LOCK:
-        if key in _VERIFIED:
-            return
-    s.verify_checksum()
-    with _VERIFIED_LOCK:
-        _VERIFIED[key] = True
+    """``s.verify_checksum()`` unless this process verified the same file already."""
+    verified_once(s.path, s.checksum, s.verify_checksum)
 
 
 def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool = False,

@@ -32,6 +32,7 @@ from mgrit.parallel import ProcessGrid, device_for_rank
 from mgrit.training.bias import BiasMonitor
 from mgrit.training.callbacks import ConsoleLog, ProgressBar
 from mgrit.training.checkpoint import save_checkpoint
+from mgrit.training.support import interrupts
 from mgrit.training.support.faults import phase, set_log_dir
 from mgrit.training.guard import ConvergenceGuard
 from mgrit.training.heldout import Validation
@@ -178,9 +179,11 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     progress, with the forward that produced the test metrics.
 
     Raises:
-        KeyboardInterrupt: after Ctrl-C, once rank 0 has printed where the run stopped, the
-            last checkpoint and the command that resumes it, and written the summary so far
-            (``summary.json`` key ``interrupted``); the caller ends the job (status 130).
+        KeyboardInterrupt: after Ctrl-C (in training: on every rank at the same step boundary,
+            never inside a checkpoint write; :mod:`mgrit.training.support.interrupts`), once
+            rank 0 has printed where the run stopped, the last checkpoint and the command that
+            resumes it, and written the summary so far (``summary.json`` key
+            ``interrupted``); the caller ends the job (status 130).
     """
     grid = ProcessGrid(comm, data_parallel=c.dp)
     device = job_device(c, comm)
@@ -190,19 +193,26 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     state.device = device
     with ConsoleCopy(run / "console.log", append=bool(c.resume)) if comm.Get_rank() == 0 \
             else contextlib.nullcontext():
+        interrupts.install()  # Ctrl-C in training: every rank stops at the same step boundary
         try:
             final = _run_job(c, comm, grid, run, state)
-        except KeyboardInterrupt:
-            _report_interrupt(c, comm, run, state)
+        except KeyboardInterrupt as exc:
+            _report_interrupt(c, comm, run, state, str(exc))
             raise
+        finally:
+            interrupts.uninstall()
     grid.free()
     return final
 
 
-def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run) -> None:
-    """Rank 0: the interrupt line and the files of the run so far."""
+def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run,
+                      detail: str = "") -> None:
+    """Rank 0: the interrupt line and the files of the run so far (``detail``: what the
+    interrupt cut, e.g. a checkpoint write)."""
     if comm.Get_rank() != 0:
         return
+    if detail:
+        print(f"[train] {detail}", file=sys.stderr, flush=True)
     t = state.trainer
     plan = getattr(t, "plan", None)
     ckpt = str(run / "checkpoint.pt") if c.checkpoint_every else None
