@@ -61,6 +61,14 @@ class JobParser(argparse.ArgumentParser):
         """Parse ``argv`` into a :meth:`JobConfig.validated` config for ``world`` ranks
         (default: the size of ``comm``); a bad flag or value is a usage error."""
         ns = self.parse_args(argv)
+        if getattr(ns, "method", "") is None:  # --method not given: --serial or the default
+            if ns.serial:
+                ns.method = "serial"
+            else:
+                del ns.method
+        elif getattr(ns, "serial", False) and ns.method != "serial":
+            self.error(f"--serial is short for --method serial: it conflicts with --method "
+                       f"{ns.method} (pass one of them)")
         try:
             return JobConfig(**vars(ns)).validated(self.comm.Get_size() if world is None
                                                    else world)

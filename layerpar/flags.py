@@ -126,8 +126,10 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                         "from the coarse-grid solution (cheaper; discards the warm start, so "
                         "pair it with --no-warm-start or --tol > 0)")
     g = p.add_argument_group("training")
-    g.add_argument("--method", choices=METHODS, default=D.method, help="training method")
-    g.add_argument("--serial", action="store_true", help="shortcut for --method serial")
+    g.add_argument("--method", choices=METHODS, default=None,
+                   help=f"training method (default: {D.method})")
+    g.add_argument("--serial", action="store_true", help="shortcut for --method serial (not "
+                   "with another --method)")
     g.add_argument("--epochs", type=int, default=D.epochs,
                    help="epochs (sequential: epochs per layer)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="global batch size")

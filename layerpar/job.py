@@ -41,6 +41,7 @@ from mgrit.training.metrics import MetricsWriter
 from mgrit.training.trainer import Trainer
 
 from .jobconfig import LANGUAGE_MODELS, JobConfig
+from .resources import preflight
 from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line
 
 __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
@@ -257,6 +258,8 @@ def _run_job(c: JobConfig, comm: MPI.Comm, grid, run: Path, state: _Run) -> dict
     say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {val}{len(test[1])} test "
         f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
+    with phase("model setup"):
+        preflight(c, comm, grid.layer_size, in_shape, num_classes, len(train[1]))
     t0 = time.perf_counter()
     if c.method in ("sequential", "decoupled"):
         final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load,
