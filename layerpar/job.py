@@ -388,5 +388,7 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
                       checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)
     epochs = len(method.plan) if c.method == "sequential" else c.epochs
-    return trainer.fit(train, epochs=epochs, batch_size=c.batch_size, seed=c.seed, test=test,
-                       resume=c.resume).final
+    final = trainer.fit(train, epochs=epochs, batch_size=c.batch_size, seed=c.seed, test=test,
+                        resume=c.resume).final
+    save_checkpoint(run / "model.pt", method, None, grid)  # the final weights, for export
+    return final
