@@ -123,3 +123,50 @@ def test_huge_depth_fails_before_building(tmp_path):
     assert re.search(r"rank 0 failed in phase model setup: MemoryError: --layers 10000000 "
                      r"--model resnet: training needs at least \d+\.\d GiB on this node .* "
                      r"\d+\.\d GiB are available", r.stderr), r.stderr[-2000:]
+
+
+def test_model_defaults_and_help(capsys):
+    """Issue 40 item 13: --model gpt defaults to its text corpus and the quick setting, vit and
+    gpt to nested iteration (not with an explicit --warm-start), flags given win; --help shows
+    the optimizer's default and the per-model defaults."""
+    from layerpar.flags import MODEL_DEFAULTS
+
+    parser = _load_script().build_parser()
+    c = parser.parse_config(["--model", "gpt"], 2)
+    assert c.dataset == "pydoc-topics" and c.nested_iteration and c.warm_start is False
+    assert {k: getattr(c, k) for k in MODEL_DEFAULTS["gpt"]} == MODEL_DEFAULTS["gpt"]
+    c = parser.parse_config(["--model", "gpt", "--layers", "4", "--lr", "0.01"], 2)
+    assert (c.layers, c.lr, c.context) == (4, 0.01, 32)
+    assert parser.parse_config(["--model", "vit"], 2).nested_iteration
+    c = parser.parse_config(["--model", "vit", "--warm-start"], 2)
+    assert not c.nested_iteration and c.warm_start
+    c = parser.parse_config([], 2)
+    assert (c.dataset, c.layers, c.optimizer, c.nested_iteration) == ("mnist5k", 32, "sgd", False)
+    helptext = " ".join(parser.format_help().split())
+    assert "it equals Adam) (default: sgd)" in helptext
+    assert "per-model defaults (flags given win): --model gpt: --dataset pydoc-topics" in helptext
+    with pytest.raises(SystemExit):
+        parser.parse_config(["--model", "gpt", "--dataset", "mnist5k"], 1)
+    err = capsys.readouterr().err
+    assert "experiments/train.py: error: --model gpt is a language model" in err
+
+
+def test_sequential_console_names_the_layer_in_training():
+    from layerwise import build_method
+    from mgrit.training.callbacks import ConsoleLog
+    from mgrit.training.records import EpochRecord
+
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    m = build_method("sequential", layers, 2, (4,), epochs=2)
+    assert m.plan == [0, 0, 1, 1, 2, 2, "head", "head"]
+    lines = []
+    log = ConsoleLog(print_fn=lines.append)
+    log._epochs = len(m.plan)
+    trainer = type("T", (), {"method": m, "is_root": True})()
+    for e in (1, 4, 8):
+        log.on_epoch_end(trainer, EpochRecord(epoch=e, loss=1.0, train_acc=0.5, test_acc=None,
+                                              test_loss=None, epoch_time=0.0, eval_time=0.0))
+    assert lines[0].endswith("| trains layer 1/3 (epoch 1/2 of it)")
+    assert lines[1].startswith("epoch 4/8 ") and lines[1].endswith("| trains layer 2/3 (epoch 2/2 "
+                                                                   "of it)")
+    assert lines[2].endswith("| trains the output head")
