@@ -37,7 +37,8 @@ Errors: :class:`FileNotFoundError` for a missing file (says how to create it);
 :class:`~data.errors.DataFormatError` naming the file and the found/expected
 values for a non-HDF5 file, another ``format_version``, missing attributes or
 datasets, datasets without the Fletcher-32 filter, inconsistent shapes, labels out of range,
-a Fletcher-32 mismatch on any read, or a SHA-256 mismatch (``H5Split.verify_checksum``).  Reading lives in :mod:`data.h5reader`; the format
+a Fletcher-32 mismatch on any read, or a SHA-256 mismatch (``H5Split.verify_checksum``;
+:func:`~data.h5reader.open_h5_pair`, the training path, checks it once per file and process).  Reading lives in :mod:`data.h5reader`; the format
 constants and the checksum shared by both in :mod:`data.h5format`.
 """
 

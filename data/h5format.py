@@ -6,7 +6,9 @@ Integrity is HDF5's own: every dataset is chunked and carries the Fletcher-32 ch
 (``fletcher32=True``), which the HDF5 library verifies on every chunk it reads; a mismatch makes
 h5py raise :class:`OSError` ("filter returned failure during read"), which the reader turns into a
 :class:`~data.errors.DataFormatError` naming the file and the dataset (:func:`read_error`). The
-SHA-256 ``checksum`` attribute additionally covers the whole content (``python -m data verify``).
+SHA-256 ``checksum`` attribute additionally covers the whole content (``python -m data verify``,
+and :func:`data.h5reader.open_h5_pair` once per file and process): Fletcher-32 sums 16-bit words
+modulo 65535, so it cannot tell a word 0x0000 from 0xFFFF.
 
 See :mod:`data.h5cache` for the file layout. Kept in its own module so that the writer, the
 reader and the data-set registry import one way only (``datasets -> h5reader -> h5format``,
@@ -16,6 +18,7 @@ reader and the data-set registry import one way only (``datasets -> h5reader -> 
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ import numpy as np
 from .errors import DataFormatError
 
 __all__ = ["FORMAT_VERSION", "REQUIRED_ATTRS", "CHUNK_ROWS", "CHUNK_BYTES", "CACHE_BYTES", "checksum",
-           "chunk_shape", "rebuild_hint", "check_checksummed", "read_error"]
+           "chunk_shape", "rebuild_hint", "check_checksummed", "read_error", "verified_once"]
 
 #: Version written to (and required in) the ``format_version`` attribute.
 FORMAT_VERSION = 1
@@ -86,3 +89,24 @@ def read_error(path, dataset: str, err: OSError, name=None) -> DataFormatError:
             if "filter returned failure" in str(err) else "the file is damaged or unreadable")
     return DataFormatError(f"{path}: cannot read HDF5 dataset '{dataset}' ({err}): {what}; "
                            f"rebuild it with `{rebuild_hint(path, name)}`")
+
+
+#: SHA-256 verdicts of this process: (file identity, stored checksum) of the files verified
+_VERIFIED: set = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def verified_once(path, stored: str, verify) -> None:
+    """Call ``verify()`` (raises on a mismatch) unless this process already verified the file
+    ``path`` with the same identity -- resolved path, device, inode, size, modification time
+    (ns) -- and stored checksum ``stored``; a rewritten or replaced file is verified again, and
+    a failure is never remembered."""
+    p = Path(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, stored)
+    with _VERIFIED_LOCK:
+        if key in _VERIFIED:
+            return
+    verify()
+    with _VERIFIED_LOCK:
+        _VERIFIED.add(key)

@@ -8,7 +8,8 @@ consistent shapes and carry HDF5's Fletcher-32 checksum filter (a cache written
 before checksums is refused with the command that rebuilds it),
 ``class_names``/``normalization`` match ``num_classes`` and the channels, and
 every label lies in ``[0, num_classes)`` (``y`` is read whole, 8 bytes per
-sample).  It then closes the file; rows of ``x`` are read on demand by
+sample).  It then closes the file (:func:`open_h5_pair`, the training path, first compares the
+SHA-256 of the content with the stored ``checksum``, once per file and process); rows of ``x`` are read on demand by
 :class:`LazyRows` (whole chunks through h5py, so HDF5 verifies each chunk's
 checksum; a mismatch is a :class:`~data.errors.DataFormatError` naming the file
 and dataset; the file is reopened once per process, so an :class:`H5Split` can
@@ -29,7 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import DataFormatError
-from .h5format import CACHE_BYTES, FORMAT_VERSION, REQUIRED_ATTRS, check_checksummed, checksum, read_error
+from .h5format import (CACHE_BYTES, FORMAT_VERSION, REQUIRED_ATTRS, check_checksummed, checksum, read_error,
+                       rebuild_hint, verified_once)
 from .split import Split, apply_normalization, check_labels
 
 __all__ = ["LazyRows", "H5Split", "open_h5_split", "open_h5_pair"]
@@ -305,7 +307,9 @@ class H5Split:
         except OSError as e:
             raise read_error(self.path, "x", e, self.name) from e
         if found != self.checksum:
-            raise DataFormatError(f"{self.path}: checksum mismatch: computed {found}, attribute says {self.checksum}")
+            raise DataFormatError(f"{self.path}: checksum mismatch (SHA-256): computed {found}, attribute "
+                                  f"says {self.checksum}: the file is corrupted; rebuild it with "
+                                  f"`{rebuild_hint(self.path, self.name)}`")
         return found
 
     def __repr__(self) -> str:
@@ -313,8 +317,13 @@ class H5Split:
                 f"input_shape={self.input_shape}, normalize={self.normalize}, flatten={self.flatten})")
 
 
-def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool = False, verify: bool = False,
-                  reader: str = "auto") -> H5Split:
+def _verify_once(s: H5Split) -> None:
+    """``s.verify_checksum()`` unless this process verified the same file already."""
+    verified_once(s.path, s.checksum, s.verify_checksum)
+
+
+def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool = False,
+                  verify: bool | str = False, reader: str = "auto") -> H5Split:
     """Open and validate one cache file.
 
     Args:
@@ -322,8 +331,11 @@ def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool
         normalize: ``x`` reads return float32 normalized with the stored train
             mean/std (default True) or the raw stored dtype (False).
         flatten: ``x`` reads return ``(m, C*H*W)`` (default False).
-        verify: also read all of ``x`` (Fletcher-32 verified per chunk) and compare its SHA-256
-            with the ``checksum`` attribute.
+        verify: ``True``: also read all of ``x`` (Fletcher-32 verified per chunk) and compare
+            its SHA-256 with the ``checksum`` attribute; ``"once"``: the same, unless this
+            process already verified this file (same path, device, inode, size and mtime);
+            ``False`` (default): only the chunks that are read are checked (Fletcher-32, which
+            cannot tell 16-bit words 0x0000 from 0xFFFF).
         reader: ``"auto"`` (whole chunks, cached) or ``"h5py"`` (row selections); see
             :class:`LazyRows`.
 
@@ -336,19 +348,26 @@ def open_h5_split(path: str | os.PathLike, normalize: bool = True, flatten: bool
             message gives the command that rebuilds it), or corrupted content, naming the file.
         ValueError: unknown ``reader``.
     """
+    if verify not in (True, False, "once"):
+        raise ValueError(f"verify={verify!r}; allowed: True, False, 'once'")
     s = H5Split(path, normalize=normalize, flatten=flatten, reader=reader)
-    if verify:
+    if verify == "once":
+        _verify_once(s)
+    elif verify:
         s.verify_checksum()
     return s
 
 
 def open_h5_pair(root: str | os.PathLike, normalize: bool = True, flatten: bool = False,
-                 reader: str = "auto") -> tuple[H5Split, H5Split]:
+                 reader: str = "auto", verify: bool | str = "once") -> tuple[H5Split, H5Split]:
     """Open ``(train, test)`` cache files.
 
     ``root`` is either a folder holding exactly one ``NAME-train.h5`` /
     ``NAME-test.h5`` pair, or the path of either file of a pair (the other
-    is found next to it), or the prefix ``DIR/NAME``.
+    is found next to it), or the prefix ``DIR/NAME``. ``verify`` as in :func:`open_h5_split`;
+    the default ``"once"`` compares each file's SHA-256 with its ``checksum`` attribute the
+    first time this process opens it (one full read; what training loads), so a corruption
+    that Fletcher-32 misses is an error naming the file too.
 
     Raises:
         ValueError: ``root`` is None, or a folder with zero or several pairs.
@@ -372,5 +391,5 @@ def open_h5_pair(root: str | os.PathLike, normalize: bool = True, flatten: bool 
                 s = s[: -len(suffix)]
                 break
         prefix = s
-    return (open_h5_split(prefix + "-train.h5", normalize, flatten, reader=reader),
-            open_h5_split(prefix + "-test.h5", normalize, flatten, reader=reader))
+    return (open_h5_split(prefix + "-train.h5", normalize, flatten, verify=verify, reader=reader),
+            open_h5_split(prefix + "-test.h5", normalize, flatten, verify=verify, reader=reader))

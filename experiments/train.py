@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     try:
         run_job(config, comm)
     except KeyboardInterrupt:  # Ctrl-C: rank 0 reported where and how to resume; status 130
-        if comm.Get_rank() != 0:
-            time.sleep(3.0)  # rank 0 writes the results so far before the job ends
+        if comm.Get_rank() != 0:  # rank 0 ends the job once it has written the results so
+            time.sleep(30.0)      # far; the others end it only if rank 0 cannot (a hang)
         abort_quietly(comm, 130)
     return 0
 

@@ -16,6 +16,8 @@ from .jobconfig import JobConfig
 
 __all__ = ["JobParser", "HelpFormatter"]
 
+_UNSET = object()  # a flag not given on the command line (see JobParser.model_defaults)
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` only where the help text does not mention the default itself
@@ -36,6 +38,8 @@ class JobParser(argparse.ArgumentParser):
     by a job's ``main``) an error ends the job with status 2 through a quiet ``MPI_Abort``
     (rank 0 after printing, the other ranks a moment later, so no rank waits for another and
     no MPI banner or per-rank usage block follows); otherwise ``SystemExit(2)`` as argparse.
+    ``model_defaults = (dests, fill)``: the flags ``dests`` not given on the command line are
+    left as a sentinel and ``fill(namespace, sentinel)`` sets them (defaults per ``--model``).
     """
 
     def __init__(self, *args, comm: MPI.Comm | None = None, **kwargs):
@@ -60,7 +64,18 @@ class JobParser(argparse.ArgumentParser):
     def parse_config(self, argv=None, world: int | None = None) -> JobConfig:
         """Parse ``argv`` into a :meth:`JobConfig.validated` config for ``world`` ranks
         (default: the size of ``comm``); a bad flag or value is a usage error."""
-        ns = self.parse_args(argv)
+        dependent, fill = getattr(self, "model_defaults", (set(), None))
+        ns = self.parse_args(argv, namespace=argparse.Namespace(**{d: _UNSET for d in dependent}))
+        if fill is not None:  # flags whose default depends on --model (left _UNSET if not given)
+            fill(ns, _UNSET)
+        if getattr(ns, "method", "") is None:  # --method not given: --serial or the default
+            if ns.serial:
+                ns.method = "serial"
+            else:
+                del ns.method
+        elif getattr(ns, "serial", False) and ns.method != "serial":
+            self.error(f"--serial is short for --method serial: it conflicts with --method "
+                       f"{ns.method} (pass one of them)")
         try:
             return JobConfig(**vars(ns)).validated(self.comm.Get_size() if world is None
                                                    else world)

@@ -14,9 +14,44 @@ from .cli import JobParser
 from .job import OPTIMIZERS
 from .jobconfig import BIAS_ACTIONS, BUNDLED, METHODS, JobConfig
 
-__all__ = ["job_parser"]
+__all__ = ["job_parser", "MODEL_DEFAULTS"]
 
 D = JobConfig()  # the defaults
+
+#: ``--model`` -> the defaults that differ for it (a flag given on the command line wins).
+#: gpt: its text corpus, and the records' quick setting (experiments/records/
+#: transformer_records.py: 8 blocks, 32 characters, Adam 2e-3, 5,000 windows; about 27 s per
+#: epoch on 2 ranks); vit and gpt: nested iteration, as the README recommends for transformers
+#: (not with an explicit --warm-start or --warm-start-adjoint).
+MODEL_DEFAULTS = {
+    "gpt": {"dataset": TEXT_CORPORA[0], "layers": 8, "context": 32, "optimizer": "adam",
+            "lr": 2e-3, "limit_train": 5000, "limit_test": 1000, "levels": 2, "cfactor": 2,
+            "nested_iteration": True},
+    "vit": {"nested_iteration": True},
+}
+
+
+def _model_defaults_epilog() -> str:
+    return "per-model defaults (flags given win): " + "; ".join(
+        f"--model {m}: " + ", ".join(f"--{k.replace('_', '-')} {v}" if v is not True
+                                     else f"--{k.replace('_', '-')}" for k, v in d.items())
+        for m, d in MODEL_DEFAULTS.items())
+
+
+def _fill_model_defaults(ns, unset) -> None:
+    """Set the flags left ``unset`` to the model's default (:data:`MODEL_DEFAULTS`) or the
+    general one."""
+    own = dict(MODEL_DEFAULTS.get(ns.model, {}))
+    if ns.warm_start not in (None, unset) or ns.warm_start_adjoint not in (False, unset):
+        own.pop("nested_iteration", None)  # the user chose the warm start
+    for dest in _dependent():
+        if getattr(ns, dest) is unset:
+            setattr(ns, dest, own.get(dest, getattr(D, dest)))
+
+
+def _dependent() -> set:
+    deps = {k for d in MODEL_DEFAULTS.values() for k in d}
+    return deps | {"warm_start", "warm_start_adjoint"}
 
 
 def job_parser(prog: str = "experiments/train.py") -> JobParser:
@@ -25,11 +60,13 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
     the flags into a validated config."""
     p = JobParser(prog=prog, description="Train a deep ResNet layer-parallel "
                   "with MGRIT over MPI (or serially / layer-wise). Run as: mpiexec -n P python "
-                  "-m mpi4py experiments/train.py ...")
+                  "-m mpi4py experiments/train.py ...", epilog=_model_defaults_epilog())
+    p.model_defaults = (_dependent(), _fill_model_defaults)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=D.dataset, help=f"data set name (bundled, no download: "
                    f"{', '.join(BUNDLED)}; others from data.available_datasets() and hdf5 need "
-                   f"--data-root; text corpus for --model gpt: {', '.join(TEXT_CORPORA)})")
+                   f"--data-root; text corpus for --model gpt: {', '.join(TEXT_CORPORA)}; "
+                   f"default: {D.dataset}, for --model gpt {TEXT_CORPORA[0]})")
     g.add_argument("--data-root", default=D.data_root, help="folder with the data set's files "
                    "(mnist, fashion-mnist, cifar10, hdf5); ignored by bundled sets")
     g.add_argument("--test-fraction", type=float, default=D.test_fraction,
@@ -126,14 +163,17 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                         "from the coarse-grid solution (cheaper; discards the warm start, so "
                         "pair it with --no-warm-start or --tol > 0)")
     g = p.add_argument_group("training")
-    g.add_argument("--method", choices=METHODS, default=D.method, help="training method")
-    g.add_argument("--serial", action="store_true", help="shortcut for --method serial")
+    g.add_argument("--method", choices=METHODS, default=None,
+                   help=f"training method (default: {D.method})")
+    g.add_argument("--serial", action="store_true", help="shortcut for --method serial (not "
+                   "with another --method)")
     g.add_argument("--epochs", type=int, default=D.epochs,
                    help="epochs (sequential: epochs per layer)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="global batch size")
     g.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=D.optimizer,
-                   help="optimizer: torch.optim SGD (with --momentum), Adam or AdamW (decoupled "
-                        "weight decay; with the default --weight-decay 0 it equals Adam)")
+                   help=f"optimizer: torch.optim SGD (with --momentum), Adam or AdamW (decoupled "
+                        f"weight decay; with --weight-decay 0 it equals Adam) (default: "
+                        f"{D.optimizer})")
     g.add_argument("--lr", type=float, default=D.lr, help="learning rate (the peak rate with "
                    "--lr-schedule / --warmup-epochs)")
     g.add_argument("--momentum", type=float, default=D.momentum, help="SGD momentum")

@@ -32,6 +32,7 @@ from mgrit.parallel import ProcessGrid, device_for_rank
 from mgrit.training.bias import BiasMonitor
 from mgrit.training.callbacks import ConsoleLog, ProgressBar
 from mgrit.training.checkpoint import save_checkpoint
+from mgrit.training.support import interrupts
 from mgrit.training.support.faults import phase, set_log_dir
 from mgrit.training.guard import ConvergenceGuard
 from mgrit.training.heldout import Validation
@@ -40,6 +41,7 @@ from mgrit.training.metrics import MetricsWriter
 from mgrit.training.trainer import Trainer
 
 from .jobconfig import LANGUAGE_MODELS, JobConfig
+from .resources import preflight
 from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line, never_trained
 
 __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
@@ -191,9 +193,11 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     progress, with the forward that produced the test metrics.
 
     Raises:
-        KeyboardInterrupt: after Ctrl-C, once rank 0 has printed where the run stopped, the
-            last checkpoint and the command that resumes it, and written the summary so far
-            (``summary.json`` key ``interrupted``); the caller ends the job (status 130).
+        KeyboardInterrupt: after Ctrl-C (in training: on every rank at the same step boundary,
+            never inside a checkpoint write; :mod:`mgrit.training.support.interrupts`), once
+            rank 0 has printed where the run stopped, the last checkpoint and the command that
+            resumes it, and written the summary so far (``summary.json`` key
+            ``interrupted``); the caller ends the job (status 130).
     """
     grid = ProcessGrid(comm, data_parallel=c.dp)
     device = job_device(c, comm)
@@ -203,19 +207,26 @@ def run_job(c: JobConfig, comm: MPI.Comm) -> dict:
     state.device = device
     with ConsoleCopy(run / "console.log", append=bool(c.resume)) if comm.Get_rank() == 0 \
             else contextlib.nullcontext():
+        interrupts.install()  # Ctrl-C in training: every rank stops at the same step boundary
         try:
             final = _run_job(c, comm, grid, run, state)
-        except KeyboardInterrupt:
-            _report_interrupt(c, comm, run, state)
+        except KeyboardInterrupt as exc:
+            _report_interrupt(c, comm, run, state, str(exc))
             raise
+        finally:
+            interrupts.uninstall()
     grid.free()
     return final
 
 
-def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run) -> None:
-    """Rank 0: the interrupt line and the files of the run so far."""
+def _report_interrupt(c: JobConfig, comm: MPI.Comm, run: Path, state: _Run,
+                      detail: str = "") -> None:
+    """Rank 0: the interrupt line and the files of the run so far (``detail``: what the
+    interrupt cut, e.g. a checkpoint write)."""
     if comm.Get_rank() != 0:
         return
+    if detail:
+        print(f"[train] {detail}", file=sys.stderr, flush=True)
     t = state.trainer
     plan = getattr(t, "plan", None)
     ckpt = str(run / "checkpoint.pt") if c.checkpoint_every else None
@@ -260,6 +271,8 @@ def _run_job(c: JobConfig, comm: MPI.Comm, grid, run: Path, state: _Run) -> dict
     say(f"[train] {c.method} on {c.dataset}: {len(train[1])} train / {val}{len(test[1])} test "
         f"{in_shape}, {describe_model(c)}, world {world} = "
         f"P_L {grid.layer_size} x P_D {grid.data_size}, run dir {run}")
+    with phase("model setup"):
+        preflight(c, comm, grid.layer_size, in_shape, num_classes, len(train[1]))
     t0 = time.perf_counter()
     if c.method in ("sequential", "decoupled"):
         final = _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_load,
@@ -389,5 +402,7 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
                       checkpoint=run / "checkpoint.pt" if c.checkpoint_every else None,
                       checkpoint_every=c.checkpoint_every, eval_batch_size=c.eval_batch_size)
     epochs = len(method.plan) if c.method == "sequential" else c.epochs
-    return trainer.fit(train, epochs=epochs, batch_size=c.batch_size, seed=c.seed, test=test,
-                       resume=c.resume).final
+    final = trainer.fit(train, epochs=epochs, batch_size=c.batch_size, seed=c.seed, test=test,
+                        resume=c.resume).final
+    save_checkpoint(run / "model.pt", method, None, grid)  # the final weights, for export
+    return final

@@ -9,8 +9,9 @@ progress bars), ``metrics.h5`` / ``metrics.csv`` (per epoch, epoch 0 = before tr
 weights; :func:`layerpar.export.load_run` makes a plain PyTorch model of it),
 ``checkpoint.pt`` (``--checkpoint-every``), ``guard.jsonl`` / ``bias.jsonl``,
 ``error-rank-R.log`` (a failure's traceback), ``lm.json`` (``--model gpt``) and ``tensorboard/``
-(``--tensorboard``). ``model.pt`` is written by ``--method mgrit|serial`` runs (a layer-wise
-run's stages and heads are not one network). A folder holding only what a job that failed before
+(``--tensorboard``). ``model.pt`` is written by every run (a layer-wise run's: its stages and
+heads, whose layers and last head are the network its test metrics come from).
+A folder holding only what a job that failed before
 its first step leaves (:data:`UNTRAINED_FILES`) is no run: :func:`never_trained` lets the
 corrected command re-use it.
 """

@@ -111,6 +111,7 @@ def validate(c, world: int) -> None:
     check_model(c)
     check_initial_guess(c)
     check_schedule_and_sequences(c, world // c.dp)
+    check_conflicts(c)
 
 
 
@@ -305,6 +306,17 @@ def check_out(c) -> None:
         raise ValueError(f"--out={c.out!r} exists and is not empty ({len(entries)} entries: "
                          f"{shown}): choose a new run folder, or pass --overwrite (deletes its "
                          f"results) or --resume CHECKPOINT (continues the run there)")
+
+
+def check_conflicts(c) -> None:
+    """Settings that would otherwise be ignored: --stages outside --method decoupled, an empty
+    --out."""
+    if c.stages and c.method != "decoupled":
+        raise ValueError(f"--stages={c.stages} sets the stages of --method decoupled: it has "
+                         f"no effect with --method {c.method} (leave it out)")
+    if c.out is not None and not str(c.out).strip():
+        raise ValueError(f"--out={c.out!r} names no folder: give a run folder, or leave --out "
+                         f"out for runs/<method>-<timestamp>")
 
 
 def _flag(name: str) -> str:

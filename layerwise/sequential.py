@@ -190,6 +190,20 @@ class SequentialTrainer(SequentialStages, TrainingMethod):
         self._depth, self._epoch, self._train_ref = 0, 0, None
         self._cache = FeatureCache(self.layers, self.cache_batch_size)  # frozen layers' outputs
 
+    def describe_epoch(self, epoch: int) -> str | None:
+        """``"trains layer k/L (epoch i/n of it)"``, ``"trains the output head"`` or
+        ``"fine-tunes every layer"`` for the 0-based ``epoch`` of :attr:`plan`."""
+        if not 0 <= epoch < len(self.plan):
+            return None
+        stage = self.plan[epoch]
+        if stage == "head":
+            return "trains the output head"
+        if stage == "finetune":
+            return "fine-tunes every layer"
+        first = self.plan.index(stage)
+        return (f"trains layer {stage + 1}/{len(self.layers)} (epoch {epoch - first + 1}/"
+                f"{self.epochs_per_layer[stage]} of it)")
+
     @property
     def output_head(self) -> nn.Module:
         return self.heads[-1]

@@ -92,18 +92,32 @@ def greedy_sample(model: nn.Module, prompt: torch.Tensor, length: int, context: 
     return out
 
 
+def _validation(history: dict) -> tuple[list, list] | None:
+    """``(val_loss, val_acc)`` of ``history`` when it holds one entry per epoch (a
+    :class:`~mgrit.training.heldout.Validation` callback ran before this one), else None."""
+    v = history.get("val_loss")
+    if not v or len(v) != len(history["epoch"]):
+        return None
+    return list(v), list(history.get("val_acc", [float("nan")] * len(v)))
+
+
 class LanguageModelReport:
     """Callback: per epoch (root rank) the validation loss and bits per character (``bpc =
-    loss / ln 2``) and the training bpc; at the end a greedy sample of ``sample_length``
-    characters after ``prompt`` from the trained weights, evaluated *serially* (the layer-
-    parallel network is gathered with ``to_serial()``, collective over the layer
+    loss / ln 2``), the test loss and bpc and the training bpc; at the end a greedy sample of
+    ``sample_length`` characters after ``prompt`` from the trained weights, evaluated *serially*
+    (the layer-parallel network is gathered with ``to_serial()``, collective over the layer
     communicator; rank 0 generates), printed and written with the per-epoch numbers to
     ``run/lm.json`` and into ``extra["lm"]`` (pass a :class:`MetricsWriter`'s ``extra``, and put
     this callback before it, to have them in ``summary.json``).
 
+    The validation numbers (``val_*`` keys) are those of a
+    :class:`~mgrit.training.heldout.Validation` callback placed before this one (``--val-fraction``);
+    without one there are none, and only the test split's numbers (``test_*`` keys) are reported,
+    labelled as test numbers.
+
     Args:
         vocab: the characters (``vocab[i]`` decodes id ``i``).
-        prompt: ``int64`` ids ``(T0,)`` to continue (e.g. the start of the validation text).
+        prompt: ``int64`` ids ``(T0,)`` to continue (e.g. the start of the held-out text).
         context: the model's positions (longest input).
         run: run directory for ``lm.json`` (None: not written). extra: dict to update.
         sample_length: characters to generate (default 200).
@@ -122,10 +136,19 @@ class LanguageModelReport:
         return "".join(self.vocab[int(i)] for i in ids)
 
     def on_epoch_end(self, trainer, r: EpochRecord) -> None:
-        if trainer.is_root and r.test_loss is not None:
-            self.print_fn(f"[lm] epoch {r.epoch}: validation loss {r.test_loss:.4f} = "
-                          f"{bits_per_char(r.test_loss):.4f} bpc (train {bits_per_char(r.loss):.4f}"
-                          f" bpc), token accuracy {r.test_acc:.4f}")
+        if not trainer.is_root:
+            return
+        val = _validation(trainer.history)
+        parts = []
+        if val is not None:
+            parts.append(f"validation loss {val[0][-1]:.4f} = {bits_per_char(val[0][-1]):.4f} bpc, "
+                         f"token accuracy {val[1][-1]:.4f}")
+        if r.test_loss is not None:
+            parts.append(f"test loss {r.test_loss:.4f} = {bits_per_char(r.test_loss):.4f} bpc, "
+                         f"token accuracy {r.test_acc:.4f}")
+        if parts:
+            self.print_fn(f"[lm] epoch {r.epoch}: {'; '.join(parts)} (train "
+                          f"{bits_per_char(r.loss):.4f} bpc)")
 
     def on_fit_end(self, trainer, result: FitResult) -> None:
         model = serial_module(trainer.net)  # every rank (collective for layer-parallel nets)
@@ -133,14 +156,18 @@ class LanguageModelReport:
             return
         ids = greedy_sample(model, self.prompt, self.sample_length, self.context)
         h = result.history
-        report = {"epochs": h["epoch"], "val_loss": h["test_loss"],
-                  "val_bpc": [bits_per_char(v) for v in h["test_loss"]],
-                  "train_bpc": [bits_per_char(v) for v in h["loss"]],
-                  "val_token_accuracy": h["test_acc"],
-                  "final_val_loss": h["test_loss"][-1], "final_val_bpc":
-                  bits_per_char(h["test_loss"][-1]), "sample_prompt": self._decode(self.prompt),
-                  "sample": self._decode(ids), "sample_note": "greedy, from the trained "
-                  "weights evaluated serially (to_serial())"}
+        report = {"epochs": h["epoch"], "train_bpc": [bits_per_char(v) for v in h["loss"]]}
+        val = _validation(h)
+        series = [("val", *val)] if val is not None else []
+        if any(v is not None for v in h["test_loss"]):
+            series.append(("test", h["test_loss"], h["test_acc"]))
+        for name, loss, acc in series:
+            report.update({f"{name}_loss": loss, f"{name}_bpc": [bits_per_char(v) for v in loss],
+                           f"{name}_token_accuracy": acc, f"final_{name}_loss": loss[-1],
+                           f"final_{name}_bpc": bits_per_char(loss[-1])})
+        report.update({"sample_prompt": self._decode(self.prompt), "sample": self._decode(ids),
+                       "sample_note": "greedy, from the trained weights evaluated serially "
+                                      "(to_serial())"})
         self.print_fn(f"[lm] greedy sample after {report['sample_prompt']!r}:\n"
                       f"{report['sample']}")
         if self.extra is not None:

@@ -65,7 +65,7 @@ class PatchEmbedding(nn.Module):
             raise ValueError(f"input of shape {tuple(x.shape)} is not allowed: use (batch, "
                              f"{', '.join(map(str, self.image_shape))})")
         z = self.proj(x).flatten(2).transpose(1, 2)  # (batch, patches, d_model)
-        return torch.cat([self.cls.expand(len(z), -1, -1), z], dim=1) + self.pos
+        return torch.cat([self.cls.expand(z.shape[0], -1, -1), z], dim=1) + self.pos  # traceable
 
 
 class ClassTokenHead(nn.Module):

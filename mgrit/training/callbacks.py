@@ -204,6 +204,10 @@ class ConsoleLog:
         line = (f"epoch {r.epoch}/{self._epochs} loss {r.loss:.4f} train_acc "
                 f"{np.nan if r.train_acc is None else r.train_acc:.4f} test_acc {test} time "
                 f"{r.epoch_time:.1f}s (eval {r.eval_time:.1f}s)")
+        describe = getattr(getattr(trainer, "method", None), "describe_epoch", None)
+        what = None if describe is None else describe(r.epoch - 1)
+        if what:  # e.g. the layer a layer-by-layer schedule trains in this epoch
+            line += f" | {what}"
         if r.fwd_iters is not None:
             line += (f" | MGRIT fwd {r.fwd_iters} it res "
                      f"{_res(r.fwd_residual, r.fwd_residual_mean)}; bwd {r.bwd_iters} it res "

@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 
 from .epoch import EpochAccumulator, UnconvergedWarning
+from .support import interrupts
 from .support.faults import phase
 from .records import HISTORY_KEYS, FitPlan, FitResult
 from .schedule import as_tensors, batches_per_epoch, epoch_batches, fingerprint
@@ -95,7 +96,14 @@ class FitLoop:
             ValueError: bad arguments (every rank, before communicating), a checkpoint that
                 does not match, a resume past ``epochs``; exceptions of the network, loss
                 and callbacks propagate.
+            KeyboardInterrupt: Ctrl-C, at the same step boundary on every rank where
+                :func:`mgrit.training.support.interrupts.install` is in effect (the main job).
         """
+        with interrupts.deferred(self.grid.comm):  # Ctrl-C: every rank at one step boundary
+            return self._fit(train, epochs=epochs, batch_size=batch_size, seed=seed, test=test,
+                             resume=resume)
+
+    def _fit(self, train, *, epochs, batch_size, seed, test, resume) -> FitResult:
         epochs = _positive_int("epochs", epochs)
         batch_size = _positive_int("batch_size", batch_size)
         seed = _positive_int("seed", seed, 0)
@@ -162,6 +170,7 @@ class FitLoop:
                 if self.checkpoint and self.checkpoint_every \
                         and self.steps_done % self.checkpoint_every == 0:
                     self._save_fit(epoch, b + 1, acc, hist, expect, initial)
+                interrupts.check(self.grid.comm)
             if self.method is not None:
                 self.method.end_epoch()
             t_epoch = time.perf_counter() - t0
@@ -180,6 +189,7 @@ class FitLoop:
             self.net.check_tied_replicas()  # weight-tied layers across ranks: still identical
             if self.checkpoint:
                 self._save_fit(epoch + 1, 0, EpochAccumulator(), hist, expect, initial)
+            interrupts.check(self.grid.comm)
         final = {k: hist[k][-1] for k in ("loss", "train_acc", "test_acc", "test_loss")}
         final["initial_test_acc"] = initial[0]
         result = FitResult(history=hist, final=final, steps=self.steps_done, plan=plan,

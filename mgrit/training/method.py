@@ -151,6 +151,11 @@ class TrainingMethod(nn.Module):
         cached outputs of its frozen layers."""
         return x
 
+    def describe_epoch(self, epoch: int) -> str | None:
+        """What the 0-based ``epoch`` trains, for the console's epoch line (e.g. which layer
+        of a layer-by-layer schedule); None (default): nothing to add."""
+        return None
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor, weight: float,
                    after_backward: Callable[[], None]) -> tuple:
         """One update on this replica's shard ``x`` ``(n, ...)`` (rows of :meth:`inputs`),

@@ -9,7 +9,7 @@ import pytest
 
 import data.h5cache as h5cache
 from data import (DataFormatError, FORMAT_VERSION, GlobalBatchSampler, available_datasets, load_dataset,
-                  open_h5_split, prepare)
+                  open_h5_pair, open_h5_split, prepare)
 from data.__main__ import main
 
 from .formats import make_mnist_arrays, write_mnist
@@ -336,7 +336,9 @@ def test_corrupted_cache_is_an_error_naming_the_file(digits_cache, tmp_path, cap
                     lambda: s.verify_checksum()):
             with pytest.raises(DataFormatError, match=msg):
                 bad()
-    tr, _ = load_dataset("hdf5", root=d)
+    with pytest.raises(DataFormatError, match=msg):  # the training path reads it whole at open
+        load_dataset("hdf5", root=d)
+    tr, _ = open_h5_pair(d, verify=False)  # lazily: the first read of the chunk fails
     sampler = GlobalBatchSampler(len(tr), 64, seed=0, rank=0, num_replicas=1)
     with pytest.raises(DataFormatError, match=msg):
         for idx in sampler:
@@ -377,3 +379,71 @@ def test_verify_a_folder_reports_every_file(digits_cache, tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"error: folder {tmp_path} holds no *.h5 cache files; create them with "
                                        f"`python -m data prepare NAME --out {tmp_path}`\n")
+
+
+def _zero_words_to_ff(path, dataset="x", chunk=1, words=8):
+    """Set ``words`` aligned 16-bit words of zero pixels inside chunk ``chunk`` to 0xFFFF (``2 *
+    words`` bytes): Fletcher-32 sums words modulo 65535, so 0x0000 and 0xFFFF look the same to it.
+    Returns the flat byte offsets inside the chunk (data starts at the chunk's byte 0)."""
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(chunk)
+    assert info.filter_mask == 0
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset)
+        raw = np.frombuffer(fh.read(info.size - 4), np.uint8)  # the last 4 bytes: the checksum
+        offs = [i for i in range(0, raw.size - 1, 2) if raw[i] == 0 and raw[i + 1] == 0][:words]
+        assert len(offs) == words
+        for o in offs:
+            fh.seek(info.byte_offset + o)
+            fh.write(b"\xff\xff")
+    return offs
+
+
+def test_corruption_fletcher32_misses_is_an_error_when_training(digits_cache, tmp_path):
+    """16 bytes of zero pixels set to 0xFF pass HDF5's Fletcher-32 check; the training path
+    (load_dataset -> open_h5_pair, the main job's data loading) compares the stored SHA-256 and
+    refuses the file by name, once per file and process; the intact cache still loads."""
+    import torch
+
+    import data.h5reader as h5reader
+    from layerpar.job import JobConfig, _load
+
+    d = tmp_path / "c"
+    d.mkdir()
+    p = _copy(digits_cache / "digits-train.h5", d / "digits-train.h5")
+    _copy(digits_cache / "digits-test.h5", d / "digits-test.h5")
+    _zero_words_to_ff(p)
+    ref = open_h5_split(digits_cache / "digits-train.h5", normalize=False).x[:]
+    got = open_h5_split(p, normalize=False).x[:]  # the premise: Fletcher-32 does not notice
+    assert (got != ref).sum() == 16 and (got[got != ref] == 255).all()
+    msg = re.escape(str(p)) + r": checksum mismatch \(SHA-256\).*corrupted.*python -m data prepare digits"
+    with pytest.raises(DataFormatError, match=msg):
+        load_dataset("hdf5", root=d)
+    with pytest.raises(DataFormatError, match=msg):  # the main job's data loading
+        _load(JobConfig(dataset="hdf5", data_root=str(d)), torch.float64)
+    with pytest.raises(DataFormatError, match=msg):
+        open_h5_split(p, verify="once")
+    assert main(["verify", str(p)]) == 2
+    # the verdict is cached per file identity: an intact file is read once per process, and a
+    # rewritten file (new mtime/inode) is checked again
+    calls = []
+    orig = h5reader.H5Split.verify_checksum
+    h5reader.H5Split.verify_checksum = lambda s: calls.append(s.path) or orig(s)
+    try:
+        e = tmp_path / "e"
+        e.mkdir()
+        for s in ("train", "test"):
+            _copy(digits_cache / f"digits-{s}.h5", e / f"digits-{s}.h5")
+        for _ in range(2):
+            tr, te = load_dataset("hdf5", root=e, normalize=False)
+            assert np.array_equal(tr.x[:], ref)
+        assert calls == [e / "digits-train.h5", e / "digits-test.h5"]
+        q = e / "digits-train.h5"
+        q.unlink()
+        _copy(p, q)  # the corrupted content under the verified name
+        with pytest.raises(DataFormatError, match=re.escape(str(q)) + r": checksum mismatch"):
+            load_dataset("hdf5", root=e)
+    finally:
+        h5reader.H5Split.verify_checksum = orig
+    with pytest.raises(ValueError, match="verify='yes'; allowed"):
+        open_h5_split(p, verify="yes")

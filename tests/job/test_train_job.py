@@ -286,7 +286,7 @@ def test_load_run_gives_the_trained_network(jobs):
     assert (logits.argmax(1) == yte).sum().item() / len(yte) == s["final"]["test_acc"]
     saved = out.parent / "serial2-export.pt"
     assert export_main([str(out), str(saved)]) == 0
-    again = torch.load(saved, weights_only=False)
+    again = torch.jit.load(saved)  # TorchScript: PyTorch alone (tests/job/test_export.py)
     with torch.no_grad():
         assert torch.equal(again(xte), logits)
 
@@ -350,6 +350,57 @@ def test_ctrl_c_reports_where_and_how_to_resume(tmp_path):
     assert s["interrupted"] == lines[0][len("[train] "):]
     assert len(s["epochs"]["loss"]) >= 1 and s["final"]["loss"] == s["epochs"]["loss"][-1]
     assert lines[0] in (out / "console.log").read_text()
+
+
+def _interrupt_trial(out: Path, delay: float):
+    """A 2-rank job interrupted as a terminal's Ctrl-C does (SIGINT to ``mpiexec``, which
+    forwards it to each rank), ``delay`` s into its second epoch; a checkpoint every step, so
+    the signal often lands in a write. Returns ``(status, stderr)``."""
+    import signal
+    import time
+
+    flags = ["--dataset", "digits", "--layers", "4", "--epochs", "500", "--limit-train", "200",
+             "--limit-test", "50", "--batch-size", "20", "--checkpoint-every", "1",
+             "--no-progress", "--out", str(out)]
+    p = subprocess.Popen(_cmd(2, flags), cwd=ROOT, env=job_env(PYTHONUNBUFFERED="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("epoch 1/500"):
+                break
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, se = p.communicate(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    return p.returncode, se
+
+
+def test_ctrl_c_on_two_ranks_reports_every_time(tmp_path):
+    """Issue 40 item 6: Ctrl-C at varied moments of a 2-rank job (a rank inside an MPI call, a
+    checkpoint write): every time one interrupted line with the resume command, summary.json,
+    status 130, a loadable last checkpoint, and no CheckpointError or traceback."""
+    from mgrit.training.checkpoint.io import read_file
+
+    delays = [0.0, 0.17, 0.43]
+    with ThreadPoolExecutor(len(delays)) as ex:
+        results = list(ex.map(lambda a: _interrupt_trial(tmp_path / f"r{a[0]}", a[1]),
+                              enumerate(delays)))
+    for i, (code, se) in enumerate(results):
+        out = tmp_path / f"r{i}"
+        lines = [ln for ln in se.splitlines() if ln.startswith("[train] interrupted at epoch ")]
+        assert code == 130 and len(lines) == 1, (delays[i], code, se[-3000:])
+        assert f"--resume {out / 'checkpoint.pt'}`" in lines[0] and "mpiexec -n 2" in lines[0]
+        assert "Traceback" not in se and "CheckpointError" not in se, se[-3000:]
+        s = json.loads((out / "summary.json").read_text())
+        assert s["interrupted"] == lines[0][len("[train] "):]
+        ck, err = read_file(str(out / "checkpoint.pt"))
+        assert err is None, err
+        e, b = ck["extra"]["position"]
+        assert "(after " in lines[0] or "(end of epoch" in lines[0]
+        assert (f"(after {b} batch(es) of epoch {e + 1})" if b else f"(end of epoch {e})") \
+            in lines[0], (ck["extra"]["position"], lines[0])
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="the optional extra 'tensorboard' is missing")

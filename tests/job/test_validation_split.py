@@ -114,3 +114,50 @@ def test_default_run_folder_is_runs_at_the_top_of_the_checkout():
     root = Path(__file__).resolve().parents[2]
     assert RUNS == root / "runs"
     assert (root / "setup.py").is_file() and "/runs/" in (root / ".gitignore").read_text()
+
+
+def test_language_model_report_uses_the_validation_split(tmp_path):
+    """Issue 40 item 5: with a validation split, ``lm.json``'s ``val_*`` numbers and the
+    console's "validation loss" are the validation split's (a plain evaluation of the network
+    on it, the independent reference), the test split's are reported as ``test_*``; without
+    one, no number is called validation."""
+    import json
+    import math
+
+    from mgrit.models.lm import LanguageModelReport, lm_loss, token_accuracy
+
+    V, T = 5, 6
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, V, (40, T), generator=g)
+    y = torch.randint(0, V, (40, T), generator=g)
+    xte, yte = torch.randint(0, V, (12, T), generator=g), torch.randint(0, V, (12, T), generator=g)
+    (xt, yt), (xv, yv) = hold_out((x, y), 0.25)
+
+    def fit(val, run):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Embedding(V, 4), nn.Linear(4, V)).double()
+        lines = []
+        cbs = [Validation((xv, yv), print_fn=None)] if val else []
+        cbs.append(LanguageModelReport([chr(97 + i) for i in range(V)], xte[0][:3], T, run=run,
+                                       sample_length=5, print_fn=lines.append))
+        tr = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), loss=lm_loss,
+                     metric=token_accuracy, callbacks=cbs)
+        tr.fit((xt, yt), epochs=2, batch_size=10, seed=0, test=(xte, yte))
+        with torch.no_grad():
+            ref = {k: (lm_loss(net(a), b).item(), token_accuracy(net(a), b) / len(b))
+                   for k, (a, b) in (("val", (xv, yv)), ("test", (xte, yte)))}
+        return json.loads((run / "lm.json").read_text()), lines, ref
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    lm, lines, ref = fit(True, tmp_path / "a")
+    assert ref["val"][0] != pytest.approx(ref["test"][0], rel=1e-3)  # the two can be told apart
+    for k in ("val", "test"):
+        assert lm[f"final_{k}_loss"] == pytest.approx(ref[k][0], rel=1e-12)
+        assert lm[f"{k}_token_accuracy"][-1] == pytest.approx(ref[k][1], abs=1e-12)
+        assert lm[f"final_{k}_bpc"] == pytest.approx(ref[k][0] / math.log(2), rel=1e-12)
+    assert f"validation loss {ref['val'][0]:.4f}" in lines[1]
+    assert f"test loss {ref['test'][0]:.4f}" in lines[1] and lines[1].startswith("[lm] epoch 2:")
+    lm, lines, ref = fit(False, tmp_path / "b")
+    assert not [k for k in lm if "val" in k] and "validation" not in lines[1]
+    assert lm["final_test_loss"] == pytest.approx(ref["test"][0], rel=1e-12)

@@ -42,6 +42,7 @@ from ...collective import agreed, rendezvous
 from ...options import MGRITOptions
 from .io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_atomic
 from .match import mismatches, not_resumable, payloads
+from ..support import interrupts
 from ..support.faults import phase
 from ...nn.net import alias_tied, tied_conflict
 from ..support.nets import as_net
@@ -169,9 +170,17 @@ def save_checkpoint(path, net, optimizer, grid=None, extra: dict | None = None,
         CheckpointError: any failure on any rank while preparing or writing (every rank).
         ~mgrit.collective.CollectiveTimeout: ranks of the grid that never called it within
             :func:`~mgrit.collective.collective_timeout` (named).
+        KeyboardInterrupt: Ctrl-C cut the write (every rank; the message says the previous
+            file is intact); with :func:`mgrit.training.support.interrupts.install` the write
+            ends first and the interrupt follows at the next check.
     """
     path = _check_path(path)
     comm = _grid_info(grid)[0]
+    with interrupts.deferred(comm):  # a Ctrl-C waits for the write to end (where installed)
+        _save(path, comm, net, optimizer, grid, extra, rank_extra)
+
+
+def _save(path, comm, net, optimizer, grid, extra, rank_extra) -> None:
     rendezvous(comm, "saving a checkpoint")  # every rank, or the missing ones named
     net = as_net(net)
     rank = comm.Get_rank()
@@ -184,15 +193,20 @@ def save_checkpoint(path, net, optimizer, grid=None, extra: dict | None = None,
     except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
         failure, local = exc, None
     parts = comm.gather((None if failure is None else _describe(failure, rank), local), root=0)
+    stop = None
     if rank == 0:
         errors = [e for e, _ in parts if e]
         error = "; ".join(errors) or None
         if error is None:
             try:
                 write_atomic(path, _assemble(parts, grid, extra))
+            except KeyboardInterrupt as exc:  # not deferred: said on every rank
+                stop = str(exc) or f"the checkpoint write to {path} was interrupted"
             except Exception as exc:  # noqa: BLE001 - e.g. RuntimeError of torch's writer
                 failure, error = exc, _describe(exc, rank)
-    error = comm.bcast(error, root=0)
+    error, stop = comm.bcast((error, stop), root=0)
+    if stop:
+        raise KeyboardInterrupt(stop)
     if error:
         with phase("checkpoint"):
             raise agreed(CheckpointError(f"checkpoint {path!r} was not written ({error}); "

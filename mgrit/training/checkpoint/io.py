@@ -7,7 +7,8 @@ whose ``__reduce__`` runs a command) is reported as unsafe and nothing in it run
 are stored as tensors and lists (:func:`rng_state`), options as dicts.
 
 Writes are atomic: ``torch.save`` to ``PATH.tmp``, ``fsync``, ``os.replace`` onto ``PATH``,
-``fsync`` of the directory; a failed write removes ``PATH.tmp`` and leaves ``PATH`` as it was.
+``fsync`` of the directory; a failed write removes ``PATH.tmp`` and leaves ``PATH`` as it was,
+and an interrupted one is a :class:`KeyboardInterrupt` saying so (not torch's ``unexpected pos``).
 
 Integrity: the file carries a SHA-256 digest (key ``sha256``) of its contents (every tensor's
 dtype, shape and bytes, every plain value, in a fixed order), verified on read, so flipped bytes
@@ -127,7 +128,8 @@ def _dump(obj, fh) -> None:
 
 def write_atomic(path: str, obj) -> None:
     """Write ``obj`` to ``path`` atomically (see module doc). On any failure ``PATH.tmp`` is
-    removed and the exception propagates; ``path`` is untouched."""
+    removed and the exception propagates; ``path`` is untouched. A Ctrl-C inside the write
+    (whatever error torch's writer makes of it) is a :class:`KeyboardInterrupt` saying so."""
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
@@ -140,11 +142,26 @@ def write_atomic(path: str, obj) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if _interrupted(exc):  # e.g. torch's "unexpected pos" after a Ctrl-C inside its writer
+            raise KeyboardInterrupt(f"the checkpoint write to {path} was interrupted (Ctrl-C); "
+                                    f"{path} is unchanged (the previous checkpoint, if any, "
+                                    f"is intact)") from exc
         raise
     _fsync_dir(os.path.dirname(path))
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, a :class:`KeyboardInterrupt`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
 
 
 def _reason(exc: BaseException) -> str:

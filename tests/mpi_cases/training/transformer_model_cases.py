@@ -142,10 +142,10 @@ def _check_job(model, tmp_dir):
         assert summary["config"]["model"] == model and len(summary["epochs"]["loss"]) == 2
     if model == "gpt" and COMM.Get_rank() == 0:
         lm = json.loads((run / "lm.json").read_text())
-        for v, b in zip(summary["epochs"]["test_loss"], lm["val_bpc"]):
+        for v, b in zip(summary["epochs"]["test_loss"], lm["test_bpc"]):
             assert abs(b - v / math.log(2)) <= 1e-12 * b
         assert len(lm["sample"]) == 200 and lm["sample_prompt"]
-        assert summary["lm"]["final_val_bpc"] == lm["final_val_bpc"]
+        assert summary["lm"]["final_test_bpc"] == lm["final_test_bpc"] and "val_bpc" not in lm
         assert summary["config"]["corpus"]["name"] == "pydoc-topics"
     return final["test_loss"]
 
