@@ -42,7 +42,8 @@ from mgrit.training.trainer import Trainer
 
 from .jobconfig import LANGUAGE_MODELS, JobConfig
 from .resources import preflight
-from .runfolder import ConsoleCopy, clear_run_dir, eval_solve, interrupt_line, never_trained
+from .runfolder import (ConsoleCopy, RefuseEmptyResume, clear_run_dir, eval_solve, interrupt_line,
+                        never_trained)
 
 __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 
@@ -164,19 +165,6 @@ def hold_out(data: tuple, fraction: float) -> tuple[tuple, tuple | None]:
                          f"{k} for validation and {n - k} for training: both need at least "
                          f"one (use {hint} or more training samples: --limit-train)")
     return (x[:n - k], y[:n - k]), (x[n - k:], y[n - k:])
-
-
-class _RefuseEmptyResume:
-    """First callback of a job's fit (not of a ``--multilevel-init`` level, which resumes at a
-    level's end to prolong it): a ``--resume`` with nothing left to train is refused before
-    any output is written."""
-
-    def on_fit_start(self, trainer, plan) -> None:
-        if plan.resumed_from and plan.start_epoch >= plan.epochs:
-            raise ValueError(f"--resume {plan.resumed_from} is at the end of epoch "
-                             f"{plan.start_epoch} of the run's {plan.epochs}: nothing is left "
-                             f"to train (--epochs counts from the start of the run): pass a "
-                             f"larger --epochs to train more")
 
 
 class _Run:
@@ -335,7 +323,7 @@ def _make_trainer(c, grid, net, test, run, config, t_load, levels=None, val=None
         config["corpus"] = {**vars(info), "vocabulary": "".join(vocab)}
     if c.dataset in SEQUENCE_TASKS:  # the adding problem: a regression (MSE, no accuracy)
         loss = regression_loss
-    callbacks = [_RefuseEmptyResume()] if levels is None else [levels]
+    callbacks = [RefuseEmptyResume()] if levels is None else [levels]
     # stepped after every optimizer step; also "none" (a constant rate), so that a resume
     # with another --lr-schedule re-plans the rates (LRSchedule)
     callbacks.append(LRSchedule(c.lr_schedule, warmup_epochs=c.warmup_epochs,
@@ -391,7 +379,7 @@ def _run_layerwise(c, grid, train, test, in_shape, num_classes, run, config, t_l
     extra = {"method": c.method, "load_s": t_load}
     if c.method == "sequential":  # --epochs is per layer: the loop runs the whole schedule
         extra["stage"] = list(method.plan)
-    callbacks = [_RefuseEmptyResume()] + ([] if c.no_progress else [ProgressBar()])
+    callbacks = [RefuseEmptyResume()] + ([] if c.no_progress else [ProgressBar()])
     state.writer = MetricsWriter(
         run, config, f"{c.method} {c.dataset} {c.model} N={c.layers} world="
                      f"{grid.comm.Get_size()} dp={c.dp}", extra=extra,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mgrit.training.support.nets import as_net
 
-__all__ = ["RUN_FILES", "UNTRAINED_FILES", "never_trained", "clear_run_dir", "ConsoleCopy",
+__all__ = ["RUN_FILES", "UNTRAINED_FILES", "never_trained", "RefuseEmptyResume", "clear_run_dir", "ConsoleCopy",
            "interrupt_line", "eval_solve"]
 
 #: Names (glob patterns) of what a run writes into its folder; ``--overwrite`` deletes these.
@@ -177,3 +177,16 @@ def eval_solve(net, method: str, model: str = "", gru_eval_rtol: float = 0.0) ->
     warm = ", warm-started from training" if segs[0].warm_start else ""
     return (f"inexact MGRIT forward ({o.max_iter} cycle(s){warm}): not the serial network's "
             f"output")
+
+
+class RefuseEmptyResume:
+    """First callback of a job's fit (not of a ``--multilevel-init`` level, which resumes at a
+    level's end to prolong it): a ``--resume`` with nothing left to train is refused before
+    any output is written."""
+
+    def on_fit_start(self, trainer, plan) -> None:
+        if plan.resumed_from and plan.start_epoch >= plan.epochs:
+            raise ValueError(f"--resume {plan.resumed_from} is at the end of epoch "
+                             f"{plan.start_epoch} of the run's {plan.epochs}: nothing is left "
+                             f"to train (--epochs counts from the start of the run): pass a "
+                             f"larger --epochs to train more")
