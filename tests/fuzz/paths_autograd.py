@@ -126,7 +126,8 @@ class AutogradPaths:
     def _expect_refusal(self, both, what, fn, ser_ok):
         """The layer-parallel side refuses ``fn`` naming ``what``; where serial raised too
         (``ser_ok`` false), the refusal is left to the executor (both raised: stopped)."""
-        if not ser_ok:
+        self.counts["ser"].update(self._ser_counts)  # the refused call ran no layer: serial's
+        if not ser_ok:                               # hook calls of it are not compared
             both("lp", fn)
             return
 
@@ -148,6 +149,7 @@ class AutogradPaths:
         def dual(f, t):
             with fwAD.dual_level():
                 return fwAD.unpack_dual(f(fwAD.make_dual(t, torch.ones_like(t)))).tangent
+        self._ser_counts = dict(self.counts["ser"])
         ok = both("ser", lambda: dual(self.twin.ser_forward, xs) is not None)
         self._expect_refusal(both, "forward_ad",
                              lambda: dual(self.twin.lp_forward, self._shard(xl)), ok)
@@ -162,6 +164,7 @@ class AutogradPaths:
             if which == "jvp":
                 return torch.func.jvp(f, (t,), (torch.ones_like(t),))[1]
             return torch.func.jacrev(lambda u: f(u).sum())(t)
+        self._ser_counts = dict(self.counts["ser"])
         ok = both("ser", lambda: run(self.twin.ser_forward, xs) is not None)
         self._expect_refusal(both, which, lambda: run(self.twin.lp_forward, xl), ok)
 
