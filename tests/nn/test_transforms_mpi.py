@@ -18,6 +18,8 @@ for k in (1, 2, 3):
             BATCH.add(k, f"input_gradient-L{levels}-{how}", f"{C}:check_input_gradient",
                       levels=levels, how=how)
         BATCH.add(k, f"functional_call-L{levels}", f"{C}:check_functional_call", levels=levels)
+        BATCH.add(k, f"functional_call_between-L{levels}", f"{C}:check_functional_call_between",
+                  levels=levels)
         for target in ("net", "segment"):
             BATCH.add(k, f"refusals-L{levels}-{target}", f"{C}:check_refusals", levels=levels,
                       module=target)

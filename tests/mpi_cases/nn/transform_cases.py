@@ -157,6 +157,25 @@ def check_functional_call(levels):
     return max(worst, e)
 
 
+def check_functional_call_between(levels):
+    """A forward, then a ``functional_call`` forward and backward (the fast paths rebuilt for
+    the fast weights and back), then the first forward's backward: gradients equal serial
+    (the backward is not refused as "modules changed": they are the forward's again)."""
+    net, ser = build(levels)
+    x, y = data()
+    x2, _ = data(40)
+    out = net(x)
+    fast = {n: p * 1.1 for n, p in net.named_parameters()}
+    net.loss(functional_call(net, fast, (x2,)), y, mse).backward()
+    net.loss(out, y, mse).backward()
+    mse(functional_call(ser, {n: p * 1.1 for n, p in ser.named_parameters()}, (x2,)),
+        y).backward()
+    mse(ser(x), y).backward()
+    e = _params_error(net, ser)
+    assert e <= TOL, f"gradient rel err {e}"
+    return e
+
+
 # -- items 7, 9, 13: refusals --------------------------------------------------------------------
 def _expect_refusal(fn, words):
     try:
