@@ -23,6 +23,10 @@ for k in (1, 2, 3):
         for target in ("net", "segment"):
             BATCH.add(k, f"refusals-L{levels}-{target}", f"{C}:check_refusals", levels=levels,
                       module=target)
+for k in (1, 2):
+    for levels in (1, 2):
+        BATCH.add(k, f"gru_and_tied_refusals-L{levels}", f"{C}:check_gru_and_tied_refusals",
+                  levels=levels)
 BATCH.add(2, "agreement_deadline", f"{C}:check_agreement_deadline")
 
 

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 from mgrit.collective import CollectiveTimeout, collective_timeout, set_collective_timeout
 from mgrit.comm import raise_agreed
-from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
+from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet, ParallelGRU
 from mgrit.options import MGRITOptions
 from tests.mpi_cases.nn.nn_cases import COMM, DT, _rand, _rel
 
@@ -224,6 +224,32 @@ def check_refusals(levels, module):
         e = _params_error(net, ser)
         assert e <= TOL, f"after the refusals: gradient rel err {e}"
     return sorted(cases)
+
+
+def check_gru_and_tied_refusals(levels):
+    """ParallelGRU: vmap and forward-mode AD are one ValueError on every rank naming them;
+    a segment with weight-tied layers refuses functional_call's fast weights alike."""
+    opts = MGRITOptions(max_levels=levels, cfactor=2, tol=1e-13, max_iter=80)
+    gru = ParallelGRU(2, W, comm=COMM, forward=opts, backward=opts).double()
+    x = _rand(B, 4, 2, seed=7)
+    from torch.autograd import forward_ad as fwAD
+
+    def dual():
+        with fwAD.dual_level():
+            gru(fwAD.make_dual(x, torch.ones_like(x)))
+    _expect_refusal(lambda: torch.func.vmap(gru)(x.unsqueeze(1)), ["torch.func.vmap"])
+    _expect_refusal(dual, ["forward-mode AD", "ParallelGRU"])
+    gru(x).sum().backward()  # still works
+    seg = LayerParallelResNet.build(lambda k: DenseStep(W, "tanh").double(), N, (W,), comm=COMM,
+                                    seed=1, T=1.0, forward=opts, backward=opts, tie=lambda k: 0)
+    fast = {n: p * 1.0 for n, p in seg.named_parameters()}
+    x0 = _rand(B, W, seed=8)
+    assert COMM.size == 1 or seg._tied.size, "the tie group spans the ranks"
+    if seg._tied is not None and seg._tied.size:
+        _expect_refusal(lambda: functional_call(seg, fast, (x0 if seg.is_first else None,),
+                                                {"batch_size": B}),
+                        ["functional_call", "tie"])
+    return True
 
 
 # -- item 9: every agreement has a deadline -------------------------------------------------------
