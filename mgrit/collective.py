@@ -53,6 +53,7 @@ ABORT_ENV = "LAYERPAR_ABORT_ON_ERROR"
 #: (5,001-5,002) and the segment transfers' (20,000-32,000).
 _TAG = 4_321
 _UNSET = object()
+_SPIN = 2e-3  # seconds a rendezvous polls without sleeping before it backs off
 _settings: dict = {"timeout": _UNSET, "abort": None, "reporter": None}
 
 
@@ -176,7 +177,7 @@ def allgather_within(comm: MPI.Comm, obj, what: str, timeout=_UNSET) -> list:
     got, pending = {me: obj}, set(range(size)) - {me}
     strays: dict = {}
     deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 0.0
+    pause, spin_until = 0.0, time.monotonic() + _SPIN
     while pending:
         progress = False
         for r in sorted(pending):
@@ -193,9 +194,11 @@ def allgather_within(comm: MPI.Comm, obj, what: str, timeout=_UNSET) -> list:
             break
         if deadline is not None and time.monotonic() > deadline:
             break
-        pause = 0.0 if progress else min(2e-3, pause * 2 or 1e-5)
-        if pause:
-            time.sleep(pause)
+        if progress or time.monotonic() < spin_until:  # busy-poll first, as MPI's own waits
+            pause = 0.0
+            continue
+        pause = min(2e-3, pause * 2 or 1e-5)
+        time.sleep(pause)
     if pending or strays:
         parts = []
         if pending:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collective import CollectiveTimeout, agreed
+from .collective import CollectiveTimeout, agreed, allgather_within
 from .stats import SolverStats
 
 __all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
@@ -148,13 +148,15 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
     differs between ranks. For checks that depend on rank-local data (the user's tensors or
     modules on one rank): one small ``allgather``, skipped on one rank, so no rank goes on to
     communicate while another has failed. The error is marked
-    :func:`~mgrit.collective.agreed` (it passes the abort guard of collective sections)."""
+    :func:`~mgrit.collective.agreed` (it passes the abort guard of collective sections). The
+    allgather has the library's deadline (:func:`~mgrit.collective.allgather_within`): a rank
+    that never arrives is a :class:`~mgrit.collective.CollectiveTimeout` naming it."""
     if comm.Get_size() > 1:
         tracer = None if stats is None else stats.tracer
         if stats is not None:
             stats.allreduces += 1
         t0 = time.perf_counter() if tracer is not None else 0.0
-        gathered = comm.allgather((error, same))
+        gathered = allgather_within(comm, (error, same), f"the check of the {what}")
         if tracer is not None:
             tracer.collective("agree", t0, time.perf_counter())
         errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]

@@ -155,18 +155,25 @@ class MGRIT:
 
     def check_input(self, u0: torch.Tensor | None, initial_guess: torch.Tensor | None = None,
                     state_shape: Sequence[int] | None = None,
-                    stats: SolverStats | None = None) -> torch.Size:
+                    stats: SolverStats | None = None, error: str | None = None) -> torch.Size:
         """The checks :meth:`solve` makes before any other communication, agreed over the
-        communicator (one small allgather when it has more than one rank): ``u0`` on the rank
-        owning point 0 (shape ``state_shape``, the solver's dtype and device, finite values),
-        ``initial_guess`` (shape ``(hi - lo, *state_shape)``), and the same ``state_shape`` on
-        every rank. Returns the state shape (``state_shape``, default the constructor's).
+        communicator (one small allgather with the collective deadline when it has more than
+        one rank): ``u0`` on the rank owning point 0 (shape ``state_shape``, the solver's dtype
+        and device, finite values), ``initial_guess`` (shape ``(hi - lo, *state_shape)``), and
+        the same ``state_shape`` on every rank; ``error``: the caller's own finding on this
+        rank, agreed with them. Returns the state shape (``state_shape``, default the
+        constructor's).
 
         Raises:
             ValueError: on every rank, naming each rank's problem.
         """
         shape = self.state_shape if state_shape is None else torch.Size(state_shape)
-        raise_agreed(self.comm, self._local_error(u0, initial_guess, shape), stats,
+        if error is None:
+            try:  # a check that fails on one rank still meets the others
+                error = self._local_error(u0, initial_guess, shape)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                error = f"checking the input raised {type(exc).__name__}: {exc}"
+        raise_agreed(self.comm, error, stats,
                      same=tuple(shape), what="state shape (e.g. a different batch size per rank)")
         return shape
 

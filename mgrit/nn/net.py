@@ -49,6 +49,7 @@ gathered state dict loads into the serial network as it is. For ``(opening, resn
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -59,6 +60,7 @@ from ..comm import raise_agreed
 from ..stats import SolverStats
 from ._p2p import join, recv, send, transfer_tag
 from .chains.compiled import compile_neutral_keys, plain_module
+from .chains.transforms import compile_disabled, transform_error
 from .protocol import LayerParallelNetMixin
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
@@ -186,27 +188,38 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         return self._probed[key]
 
     # -- forward -----------------------------------------------------------------------------
+    @compile_disabled  # torch.compile(net): a graph break, the forward runs eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: the input batch ``(batch, ...)`` on every rank (used on :attr:`first_rank`;
         elsewhere only ``x.shape[0]``). Returns the network's output on :attr:`last_rank`
         and an empty placeholder connected to this rank's parameters elsewhere (build the
         loss with :meth:`loss` on every rank and call ``.backward()`` on every rank).
 
+        ``x`` requiring grad on every rank: ``autograd.grad(loss, x)`` runs every adjoint
+        solve on every rank (the input gradient on :attr:`first_rank`, zeros elsewhere).
+        ``torch.compile(net)`` runs this forward eagerly (a graph break); functional calls:
+        see :meth:`LayerParallelResNet.forward`.
+
         Raises:
             ValueError: (every rank, before any message) batch sizes that differ between
                 ranks, an input or opening output that does not fit the first segment's
-                ``state_shape``/dtype, a transition output dtype other than the next segment's.
+                ``state_shape``/dtype, a transition output dtype other than the next segment's;
+                a functorch transform (``torch.func.vmap``, ``grad``, ``jvp``, ...) or
+                forward-mode AD dual tensors (:mod:`mgrit.nn.chains.transforms`).
         """
         if not torch.is_tensor(x) or x.dim() < 1:
             raise ValueError(f"x must be a tensor (batch, ...), got {type(x).__name__}"
                              + (f" of shape {tuple(x.shape)}" if torch.is_tensor(x) else ""))
         B = x.shape[0]
         segs = list(self.segments)
-        raise_agreed(self.comm, self._forward_error(x), same=(B, tuple(str(s.dtype) for s in segs)),
+        error = (transform_error("LayerParallelNet", itertools.chain((x,), self.parameters()))
+                 or self._forward_error(x))
+        raise_agreed(self.comm, error, same=(B, tuple(str(s.dtype) for s in segs)),
                      what="batch size and segment dtypes")
         rank = self.rank
-        # the real input on the first rank; elsewhere the input only where it requires grad, so
-        # that autograd.grad(loss, x) reaches a node on every rank (zero gradient there)
+        # the real input on the first rank; elsewhere the input only where it requires grad: it
+        # is the link of every segment's node there (below), so that autograd.grad(loss, x)
+        # runs every adjoint solve on every rank (zero gradient to x there)
         cur = x if rank == self.first_rank or x.requires_grad else None
         holder = self.first_rank
         for part in self._parts:
@@ -226,10 +239,11 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
                                seg.device, self.transfer_stats)
             if rank == dest:
                 out = seg(cur, batch_size=B)
-            else:
-                out = seg(None, batch_size=B)
-                if cur is not None and cur.requires_grad:  # keeps everything before in this
-                    out = join(out, cur, zero_b=cur is not x)  # rank's graph; x gets no gradient
+            else:  # everything before in this rank's graph, behind the segment's node
+                link = cur if cur is not None and cur.requires_grad else None
+                out = seg(link, batch_size=B)
+                if link is not None:
+                    out = join(out, link)  # a defined (zero) gradient for x and the links
             cur, holder = out, last_rank(seg)
         return cur
 

@@ -30,6 +30,7 @@ from mpi4py import MPI
 from mgrit.parallel import GradientBuckets, ProcessGrid
 
 from .model_actions import ModelActions
+from .paths_autograd import AutogradPaths
 from .nets import Twin, input_shape
 
 B = 4  # batch
@@ -79,7 +80,7 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
 
 
-class Run(ModelActions):
+class Run(ModelActions, AutogradPaths):
     """The state of one program: twin, pending outputs, hooks, optimizers. With ``spec["dp"]
     == 2`` on an even number of ranks: 2 data-parallel replicas (a :class:`ProcessGrid`), each
     running its half of every batch, gradients averaged by :class:`GradientBuckets` after each

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 
+from . import paths_autograd
 from .nets import KINDS
 
 #: Features that can be switched off, each a class of issue 22.
@@ -31,14 +32,14 @@ FEATURES = frozenset({
     "compile",           # item 8: torch.compile'd steps, state-dict keys
     "clip",              # item 10: clip_grad_norm_ on every rank (global norm expected)
     "freeze_pending",    # found by the fuzzer: freezing a parameter while a graph is pending
-})
+}) | paths_autograd.FEATURES  # issue 36: transforms (input_grad, functional_call, ...)
 
 #: THE SWITCH: features main gets wrong. Generated only when asked for (``--enable``); delete
 #: a line once the fix of its class is merged, and CI and the campaign include it.
 KNOWN_BROKEN_ON_MAIN: frozenset = frozenset()  # every class found so far is fixed
 
 #: Too slow for the CI budget (torch.compile takes seconds per module): campaign only.
-CAMPAIGN_ONLY = frozenset({"compile"})
+CAMPAIGN_ONLY = frozenset({"compile"}) | paths_autograd.CAMPAIGN_ONLY
 
 
 def default_features(ci: bool = False) -> frozenset:
@@ -91,7 +92,7 @@ def _kinds(spec, enabled, pending, hooks):
                        ("load_assign", "load_assign"), ("nan", "nan_backward")):
         if feat in enabled:  # weighted up: enabled to be looked for
             out += [kind] * 3
-    return out
+    return out + paths_autograd.kinds(enabled)
 
 
 def generate_action(c, spec, enabled, state) -> list:
@@ -134,7 +135,7 @@ def generate_action(c, spec, enabled, state) -> list:
     elif kind in ("checkpoint", "reload_self", "nan_backward"):
         args = {"x": c.int(0, 999)}
     else:
-        args = {}
+        args = paths_autograd.action_args(c, kind, state) or {}
     if kind in ("opt_step", "replace_param", "load_assign", "checkpoint"):
         state["pending"] = 0
         state["hooks"] = 0 if kind == "checkpoint" else state["hooks"]

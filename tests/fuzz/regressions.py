@@ -112,4 +112,27 @@ REGRESSIONS = [
      "program": {"net": _net("dense", "user", seed=8177),
                  "actions": [["forward", {"mode": "grad", "x": 510}], ["hook_add", {"kind": "scale"}],
                              ["backward", {"all": False, "i": 0, "retain": False, "w": 218}]]}},
+    # issue 36 (transforms; tests/fuzz/paths_autograd.py). A functional_call between a
+    # multilevel forward and its backward rebuilt the fast paths twice: the backward was refused
+    # as "step modules changed" although they were back (seed 315 of the transform campaign,
+    # hand-reduced; P = 1 and 2 alike)
+    *[{"feature": "functional_call", "issue": "36 item 11", "ranks": k, "source": "seed 315",
+       "program": {"net": _net("multiseg", "buffer", layers=5, seed=9570), "actions": [
+           ["forward", {"mode": "grad", "x": 80}],
+           ["functional_call", {"scale": 1.2, "shift": 0.01, "w": 147, "x": 257}],
+           ["backward", {"all": False, "i": 0, "retain": False, "w": 841}]]}} for k in (1, 2)],
+    # the fuzzer's own: serial's hook calls of a refused transform were compared (Hypothesis),
+    # and a vjp ran the layer-parallel forward twice (seed 111)
+    {"feature": "forward_ad", "issue": "36 item 7", "ranks": 1, "source": "hypothesis",
+     "program": {"net": _net(levels=1), "actions": [
+         ["hook_add", {"kind": "count"}], ["forward", {"mode": "grad", "x": 0}],
+         ["forward_ad", {"x": 0}], ["func_transform", {"x": 0, "which": "vmap"}]]}},
+    {"feature": "input_grad", "issue": "36 item 8", "ranks": 2, "source": "seed 111",
+     "program": {"net": _net("conv", "user", layers=5, levels=1, seed=2779), "actions": [
+         ["hook_add", {"kind": "count"}], ["input_grad", {"how": "vjp", "w": 462, "x": 582}]]}},
+    # ParallelGRU raised PyTorch's NotImplementedError (forward AD of its autograd.Function)
+    # on some ranks only (seed 6 of the transform campaign; now one agreed ValueError)
+    {"feature": "forward_ad", "issue": "36 item 7", "ranks": 2, "source": "seed 6",
+     "program": {"net": _net("gru", levels=2), "actions": [
+         ["forward_ad", {"x": 0}], ["forward", {"mode": "grad", "x": 1}], BWD]}},
 ]

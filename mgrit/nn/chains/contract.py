@@ -263,6 +263,18 @@ class Fingerprint:
         self._period = per[0] if per and len(set(per)) == 1 and 1 + sum(per) == len(mods) else 0
         self._seen = _EPOCH[0]
         self.epoch += 1
+        # what a forward's node keeps (its modules' structure) to accept a backward after
+        # rebuilds that came back to it (torch.func.functional_call swaps tensors in and out)
+        self.record = (self._owners, self._keys, self._values, self._training)
+
+    def matches(self, record) -> bool:
+        """Whether the current record (of the latest :meth:`take`, after :meth:`same`) has the
+        same entries, by identity, and ``training`` pattern as ``record`` (an earlier
+        :attr:`record`)."""
+        owners, keys, values, training = record
+        return (len(values) == len(self._values) and training == self._training
+                and keys == self._keys and all(map(operator.is_, owners, self._owners))
+                and all(map(operator.is_, values, self._values)))
 
     def __setstate__(self, state):
         """A copy or unpickled model holds plain dicts (see ``_Watched.__reduce_ex__``): its

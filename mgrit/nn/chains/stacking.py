@@ -137,6 +137,14 @@ def batching_obstacle(steps: Sequence[nn.Module]) -> str | None:
     return None
 
 
+def _tensor(module: nn.Module, kind: str, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (dotted) of ``module`` as it is now: also a plain
+    tensor that ``torch.func.functional_call`` put in place of a parameter (``get_parameter``
+    would refuse it)."""
+    prefix, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(prefix), kind)[leaf]
+
+
 class StaleStack(RuntimeError):
     """:meth:`Stacked.refresh` found a stacked tensor of another dtype or device than when the
     stack was built: the owner rebuilds it (:meth:`mgrit.nn.chains.ForwardChain.refresh`)."""
@@ -164,14 +172,15 @@ class Stacked:
         self.bnames = [n for n, _ in steps[0].named_buffers()]
         self._lists = {}
         if self.ok:
-            self._lists = {n: [s.get_parameter(n) for s in steps] for n in self.names}
-            self._lists.update({n: [s.get_buffer(n) for s in steps] for n in self.bnames})
+            self._lists = {n: [_tensor(s, "_parameters", n) for s in steps] for n in self.names}
+            self._lists.update({n: [_tensor(s, "_buffers", n) for s in steps]
+                                for n in self.bnames})
         self.tensors = {}
         # dtype and device of every stacked name (the contract of the snapshot, checked at
         # every refresh in O(names): torch.stack would promote a layer's changed dtype)
         self._meta = [(t.dtype, t.device) for t in
-                      [steps[0].get_parameter(n) for n in self.names]
-                      + [steps[0].get_buffer(n) for n in self.bnames]]
+                      [_tensor(steps[0], "_parameters", n) for n in self.names]
+                      + [_tensor(steps[0], "_buffers", n) for n in self.bnames]]
         # native kernels only where the contract allows them (mgrit.nn.chains.contract.kernel)
         self._native = kernel(self.template, "forward_batched") is not None
         self._extras = kernel(self.template, "stack_extras") if self._native else None

@@ -27,6 +27,7 @@ hidden 16) reduced the residual only about 5x per FCF cycle (m = 4), and inexact
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -40,6 +41,7 @@ from ...comm import raise_agreed
 from ...grid import Partition
 from ...options import MGRITOptions
 from ...solver import MGRIT
+from ..chains.transforms import compile_disabled, transform_error
 from .bridge import GRUFunction
 from .chains import COARSE_PROPAGATORS, GRUChain
 
@@ -232,6 +234,7 @@ class ParallelGRU(nn.Module):
         return None, x, unbatched
 
     # -- forward ----------------------------------------------------------------------------
+    @compile_disabled  # torch.compile: a graph break, the solves run eagerly
     def forward(self, x: torch.Tensor | Sequence[torch.Tensor], h0: torch.Tensor | None = None,
                 return_sequence: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the GRU over the sequence, parallel in time (every rank of ``comm``).
@@ -262,10 +265,14 @@ class ParallelGRU(nn.Module):
             ValueError: a PackedSequence, a list of unequal-length sequences, a wrong input or
                 hidden size, a dtype or device other than the parameters', ``seq`` < ranks,
                 ranks disagreeing on the shape or (grad mode) on which parameters require
-                grad -- on every rank, before the solve.
+                grad, a functorch transform or forward-mode AD
+                (:mod:`mgrit.nn.chains.transforms`) -- on every rank, before the solve.
         """
         params = self._param_list()
-        error, xt, unbatched = self._check(x, h0, return_sequence)
+        error = transform_error("ParallelGRU", itertools.chain((x, h0), params))
+        xt = unbatched = None
+        if error is None:  # (inside vmap the checks themselves would fail)
+            error, xt, unbatched = self._check(x, h0, return_sequence)
         grad = torch.is_grad_enabled()
         flags = tuple(p.requires_grad for p in params) if grad else None
         raise_agreed(self.comm, error,

@@ -42,11 +42,14 @@ _WHAT = "LayerParallelResNet"  # names the node in the agreement's messages and 
 _version = operator.attrgetter("_version")
 
 
-def changed_error(model, epoch: int) -> str | None:
+def changed_error(model, epoch: int, record=None) -> str | None:
     """The message when ``model``'s step modules changed (the fingerprint of
-    :mod:`mgrit.nn.chains.contract`, checked here too) since the forward that ran with ``epoch``."""
+    :mod:`mgrit.nn.chains.contract`, checked here too) since the forward that ran with ``epoch``
+    (``record``: the fingerprint's record then; modules rebuilt since but back to the same
+    entries, e.g. after a ``torch.func.functional_call``, are not a change)."""
     model._check_contract()
-    if model._fingerprint.epoch == epoch:
+    fp = model._fingerprint
+    if fp.epoch == epoch or (record is not None and fp.matches(record)):
         return None
     return ("the step modules of this rank changed between a forward and its backward (a "
             "parameter, buffer or submodule replaced or added, or .to() of a step): the adjoint "
@@ -104,6 +107,7 @@ class MGRITFunction(torch.autograd.Function):
         ctx.param_index = model._param_index  # layer -> unique parameter, as of this forward
         ctx.stacked_inputs = snapshot is not None
         ctx.epoch = model._fingerprint.epoch  # the fast paths this forward ran with
+        ctx.record = model._fingerprint.record
         ctx.noise = (model._noise.seed, model._noise.masks)  # Dropout masks of this forward
         ctx.rng_error = model._rng_error
         if ctx.stacked_inputs:
@@ -130,7 +134,7 @@ def node_backward(model, ctx, grad) -> tuple:
     parameter inputs: unique parameters, or stacked ones)."""
     saved, error = saved_or_error(ctx, ctx.forward_id, "LayerParallelResNet")
     if error is None:
-        error = changed_error(model, ctx.epoch)
+        error = changed_error(model, ctx.epoch, ctx.record)
     if error is None and ctx.stacked_inputs:
         error = version_error(ctx.checked, ctx.versions, model._checked_names)
     error = error or getattr(ctx, "rng_error", None)  # a step drew from the default generator

@@ -222,16 +222,19 @@ def _retained_compiled(model) -> str | None:
             "backpropagate without retain_graph")
 
 
-def pipelined_forward(model, x0, batch: int) -> torch.Tensor:
-    """The forward of ``model`` on the one-level path (grad mode: with its two nodes)."""
+def pipelined_forward(model, x0, batch: int, error: str | None = None) -> torch.Tensor:
+    """The forward of ``model`` on the one-level path (grad mode: with its two nodes).
+    ``error``: this rank's refusal of the forward, agreed with the input checks (a ValueError
+    on every rank before any other message)."""
     with _phase(model, "pipelined forward"):
-        return _forward(model, x0, batch)
+        return _forward(model, x0, batch, error)
 
 
-def _forward(model, x0, batch: int) -> torch.Tensor:
+def _forward(model, x0, batch: int, error: str | None) -> torch.Tensor:
     stats = SolverStats()
     shape = model._fsolver.check_input(x0 if model.is_first else None,
-                                       state_shape=(batch, *model.state_shape), stats=stats)
+                                       state_shape=(batch, *model.state_shape), stats=stats,
+                                       error=error)
     p = _Pass(model, shape, stats)
     grad = torch.is_grad_enabled()
     t0 = time.perf_counter()

@@ -56,6 +56,7 @@ from ...solver import MGRIT
 from ..chains.compiled import compile_neutral_keys
 from ..chains.contract import Fingerprint
 from ..chains.propagators import ForwardChain
+from ..chains.transforms import compile_disabled, transform_error
 from ..steps import batchnorm, stochastic
 from .bridge import MGRITFunction
 from .controls import SolverControls
@@ -252,6 +253,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
 
     # -- autograd bridge ----------------------------------------------------------------
+    @compile_disabled  # torch.compile: a graph break, the solve runs eagerly (chains.transforms)
     def forward(self, x0: torch.Tensor | None = None, batch_size: int | None = None) -> torch.Tensor:
         """MGRIT solve of all states.
 
@@ -270,6 +272,15 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
 
         In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
         default generator first (on every rank; :mod:`mgrit.nn.steps.stochastic`).
+
+        Raises:
+            ValueError: (every rank, before any other message) inside a functorch transform
+                (``torch.func.vmap``, ``grad``, ``jvp``, ``jacrev``, ...) or with forward-mode
+                AD dual tensors (:mod:`mgrit.nn.chains.transforms`); ``torch.compile`` runs
+                this forward eagerly (a graph break). Under ``torch.func.functional_call``
+                (tensors substituted for the step parameters, e.g. MAML's fast weights) the
+                forward runs the serial pipeline (a ``UserWarning``): gradients reach the
+                substituted tensors as in serial autograd.
         """
         seed = stochastic.draw_seed() if self._stochastic and self.training else None
         # an error on one rank only ends the job (mgrit.collective), whatever the launch line
@@ -290,8 +301,11 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             batch = int(batch_size)
         self._forward_count += 1
         self._check_contract()  # the fast paths' contract, on every call (mgrit.nn.chains.contract)
-        if one_level(self, torch.is_grad_enabled()) or self._serial_reason():
-            return pipelined_forward(self, x0, batch)  # layer-wise model parallelism in autograd
+        error = self._transform_error(x0)  # agreed by the first agreement of either path
+        if one_level(self, torch.is_grad_enabled()):
+            return pipelined_forward(self, x0, batch, error)
+        if self._serial_reason(error):  # layer-wise model parallelism in autograd
+            return pipelined_forward(self, x0, batch)
         if not torch.is_grad_enabled():  # evaluation: no node, keeps the training warm start
             return self._forward_solve(x0 if self.is_first else None, batch, False)[0]
         if not isinstance(x0, torch.Tensor):

@@ -10,13 +10,13 @@ says so (``refresh_structure``, ``check_tied_replicas``, ``_setup_ties``, ``_ser
 """
 from __future__ import annotations
 
-import array
+import itertools
 import warnings
 
-from mpi4py import MPI
-
+from ...collective import agreed, allgather_within
 from ...comm import raise_agreed
 from ..chains.contract import autocast_enabled, global_hooks_registered
+from ..chains.transforms import substituted, transform_error
 from ..steps import batchnorm, stochastic
 from .tied import TiedLayers
 
@@ -24,7 +24,8 @@ __all__ = ["StepStructure"]
 
 #: why a forward runs the serial pipeline (index: agreed code, the largest of every rank's)
 _SERIAL_REASONS = (None, "torch.autocast is active",
-                   "module hooks are registered on the step modules (or globally)")
+                   "module hooks are registered on the step modules (or globally)",
+                   "torch.func.functional_call substituted tensors for the step parameters")
 
 
 
@@ -81,6 +82,7 @@ class StepStructure:
         its index among them (tied parameters: several layers point to one index); the
         parameters and buffers whose versions the one-level path checks (``_checked``)."""
         self._params = list(self.steps.parameters())  # deduplicated: shared ones once
+        self._substituted = substituted(self._params)  # functional_call's fast weights
         index = {id(p): i for i, p in enumerate(self._params)}
         self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
         self._checked = self._params + batchnorm.checked_buffers(self.steps)
@@ -130,18 +132,34 @@ class StepStructure:
         if not self._fingerprint.same():
             self._restructure()
 
-    def _serial_reason(self) -> str | None:
+    def _transform_error(self, x0) -> str | None:
+        """This rank's refusal of the forward (:mod:`mgrit.nn.chains.transforms`; not agreed)."""
+        error = transform_error("LayerParallelResNet", itertools.chain((x0,), self._params))
+        if error is None and self._substituted and self._tied is not None and self._tied.size:
+            error = ("torch.func.functional_call with weight-tied layers (tie=...) is not "
+                     "supported: the replicas of a tie group on other ranks would not see the "
+                     "substituted tensors")
+        return error
+
+    def _serial_reason(self, error: str | None = None) -> str | None:
         """Why this forward must run the serial pipeline instead of MGRIT (hooks on the steps
-        or global module hooks; autocast), agreed by every rank (when
-        ``P > 1``: an ``Allreduce`` of one int), or ``None``."""
-        code = 2 if self._fingerprint.hooked() else 1 if autocast_enabled(self.device) else 0
+        or global module hooks; autocast; tensors substituted for the parameters by
+        ``torch.func.functional_call``), agreed by every rank (when ``P > 1``: one
+        ``allgather`` with the collective deadline), or ``None``. ``error``: this rank's
+        refusal of the forward (:meth:`_transform_error`), raised as a ValueError on every
+        rank when any rank has one."""
+        code = (3 if self._substituted else 2 if self._fingerprint.hooked()
+                else 1 if autocast_enabled(self.device) else 0)
         if self.comm.Get_size() > 1:  # the most serious reason of any rank, on every rank
-            buf = array.array("i", [code])
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-            code = buf[0]
+            got = allgather_within(self.comm, (code, error), "the forward's path")
+            code = max(c for c, _ in got)
+            error = "; ".join(f"rank {r}: {e}" for r, (_, e) in enumerate(got) if e) or None
+        if error:  # the same message on every rank
+            raise agreed(ValueError(error))
         reason = _SERIAL_REASONS[code]
         if reason:
             why = ("hooks fire once per layer on the serial states" if "hook" in reason else
+                   "gradients reach the substituted tensors" if "functional" in reason else
                    "autocast has serial semantics in the forward and the backward")
             warnings.warn(f"LayerParallelResNet: {reason}: this forward runs the layers one after "
                           f"the other (the serial pipeline across the ranks), so that {why}, as "
