@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.experiments.regenerate_quick import assert_every_script_ok, run_quick
+from tests.experiments.regenerate_quick import assert_every_script_ok
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
@@ -23,10 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
         "batchnorm_dropout", "tied_resnet", "transformers"]
 
-
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    return run_quick(tmp_path_factory, ONLY)
+QUICK = ONLY  # run by the session's one quick run (tests/experiments/conftest.py)
 
 
 def test_regenerate_quick_runs_every_script(quick):
