@@ -206,25 +206,32 @@ def test_help_flags():
 @pytest.mark.parametrize("script, args, first", [
     ("stateful_records.py", ["--study", "tied_resnet"], "resnet-tied-s0-serial"),
     ("transformer_records.py", [], "vit-ode-s0-serial")])
-def test_record_report_only_without_runs_is_an_error(tmp_path, script, args, first):
+def test_record_report_only_without_runs_is_an_error(tmp_path, capsys, script, args, first):
     """--report-only on a folder without the runs refuses (status 2, the missing runs named)
-    and creates nothing, instead of writing empty tables."""
+    and creates nothing, instead of writing empty tables. (In-process, the script's
+    ``main(argv)``: its run as a program is the quick run's.)"""
     out = tmp_path / "nothing_here"
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / script), *args,
-                        "--report-only", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2, p.stdout + p.stderr
-    last = p.stderr.strip().splitlines()[-1]
+    code, err = _main_status(script, [*args, "--report-only", "--out", str(out)], capsys)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert "--report-only needs every run; missing" in last and first in last, last
     assert not out.exists()
 
 
-def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / "compare_mainjob.py"),
-                        "--report-only", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2, p.stdout + p.stderr
-    last = p.stderr.strip().splitlines()[-1]
+def _main_status(script, argv, capsys):
+    """``(exit status, stderr)`` of ``experiments/records/<script>``'s ``main(argv)``."""
+    import importlib
+    mod = importlib.import_module(f"experiments.records.{script.removesuffix('.py')}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_mainjob_report_only_without_runs_is_an_error(tmp_path, capsys):
+    code, err = _main_status("compare_mainjob.py", ["--report-only", "--out", str(tmp_path)],
+                             capsys)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert "--report-only needs every run; missing" in last and "resnet-s0-serial" in last \
         and "resnet-s4-mgrit-c32" in last, last
     assert not (tmp_path / "mnist_mgrit_vs_serial").exists()
