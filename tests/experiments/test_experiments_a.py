@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.experiments.regenerate_quick import assert_every_script_ok, run_quick
+from tests.experiments.regenerate_quick import assert_every_script_ok
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
@@ -21,10 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ONLY = ["kirby2020", "torchbraid_mnist", "convergence", "bench_pymgrit"]
 ROOMS = {"kirby2020": "reproductions", "torchbraid_mnist": "reproductions", "convergence": "studies"}
 
-
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    return run_quick(tmp_path_factory, ONLY)
+QUICK = ONLY  # run by the session's one quick run (tests/experiments/conftest.py)
 
 
 def test_regenerate_quick_runs_every_script(quick):

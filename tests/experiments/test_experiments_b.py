@@ -15,18 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.experiments.regenerate_quick import assert_every_script_ok, run_quick
+from tests.experiments.regenerate_quick import assert_every_script_ok
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 ROOT = Path(__file__).resolve().parents[2]
+# stateful_records.py's end-to-end smoke is batchnorm_dropout; its tied_resnet study (the same
+# script and report) runs the tied pair alone: test_tied_study_runs_and_reports
 ONLY = ["guenther2020", "layerwise", "bench_gpu", "gpu_check", "mnist_mgrit_vs_serial",
-        "batchnorm_dropout", "tied_resnet", "transformers"]
+        "batchnorm_dropout", "transformers"]
 
-
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    return run_quick(tmp_path_factory, ONLY)
+QUICK = ONLY  # run by the session's one quick run (tests/experiments/conftest.py)
 
 
 def test_regenerate_quick_runs_every_script(quick):
@@ -174,8 +173,7 @@ def test_transformer_record_is_generated_from_the_runs(quick):
 def test_stateful_records_are_generated_from_the_runs(quick):
     """stateful_records.py (issue 23): the BatchNorm ResNet and the dropout ViT, serial on 1
     rank and MGRIT on 2 with the same flags and seed; the summary's gap table states the runs'
-    last-epoch accuracies (one seed: no interval, no verdict);
-    the tied study runs (the main job has --tied: the study is ``ok``, not ``skip``)."""
+    last-epoch accuracies (one seed: no interval, no verdict)."""
     d = quick[0] / "records" / "batchnorm_dropout"
     summary = (d / "summary.md").read_text()
     for model, flag in (("cifar-resnet", ("model", "cifar-resnet")),
@@ -192,8 +190,34 @@ def test_stateful_records_are_generated_from_the_runs(quick):
                 in section), section
         assert "Verdict (last epoch, test): MGRIT - serial" in section
         assert "from one seed: no interval, no verdict" in section
-    t = quick[0] / "records" / "tied_resnet"
-    assert "## resnet-tied (1 seeds: [0])" in (t / "summary.md").read_text()
+
+
+def test_tied_study_runs_and_reports(tmp_path, monkeypatch):
+    """stateful_records.py's tied_resnet study (issue 23): the main job has --tied (the study
+    runs, it is not skipped); its smoke jobs of the tied ResNet, serial on 1 rank and MGRIT on
+    2, run with the study's flags and seed, and the study's report states them. (The untied
+    twin is the job's default --model resnet, the main job's record; the script's end-to-end
+    smoke is batchnorm_dropout in the quick run: same main loop, same report.)"""
+    from experiments.records import records
+    from experiments.records import stateful_records as sr
+    assert sr.has_flag("--tied")
+    base = tmp_path / "tied_resnet"
+    for method in sr.METHODS:
+        sr.run("tied_resnet", "resnet-tied", method, 0, base, smoke=True)
+    monkeypatch.setitem(sr.STUDIES, "tied_resnet",
+                        {"resnet-tied": sr.STUDIES["tied_resnet"]["resnet-tied"]})
+    sr.report("tied_resnet", base, (0,))
+    ser, mg = (records.load(base / "runs" / f"resnet-tied-s0-{m}") for m in sr.METHODS)
+    assert (ser["world_size"], mg["world_size"]) == (1, 2)
+    assert ser["config"]["tied"] is mg["config"]["tied"] is True
+    assert ser["config"]["seed"] == mg["config"]["seed"] == 0
+    assert mg["exact_eval"] is not None  # the MGRIT run's final weights, exact forward
+    summary = (base / "summary.md").read_text()
+    section = summary.split("## resnet-tied (1 seeds: [0])", 1)[1]
+    sa, ma = ser["epochs"]["test_acc"][-1] * 100, mg["epochs"]["test_acc"][-1] * 100
+    last = len(ser["epochs"]["test_acc"])
+    assert f"| {last} | {sa:.2f}% (n=1, no interval) | {ma:.2f}% (n=1, no interval) | " \
+        in section, section
 
 
 def test_help_flags():
@@ -209,25 +233,32 @@ def test_help_flags():
 @pytest.mark.parametrize("script, args, first", [
     ("stateful_records.py", ["--study", "tied_resnet"], "resnet-tied-s0-serial"),
     ("transformer_records.py", [], "vit-ode-s0-serial")])
-def test_record_report_only_without_runs_is_an_error(tmp_path, script, args, first):
+def test_record_report_only_without_runs_is_an_error(tmp_path, capsys, script, args, first):
     """--report-only on a folder without the runs refuses (status 2, the missing runs named)
-    and creates nothing, instead of writing empty tables."""
+    and creates nothing, instead of writing empty tables. (In-process, the script's
+    ``main(argv)``: its run as a program is the quick run's.)"""
     out = tmp_path / "nothing_here"
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / script), *args,
-                        "--report-only", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2, p.stdout + p.stderr
-    last = p.stderr.strip().splitlines()[-1]
+    code, err = _main_status(script, [*args, "--report-only", "--out", str(out)], capsys)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert "--report-only needs every run; missing" in last and first in last, last
     assert not out.exists()
 
 
-def test_mainjob_report_only_without_runs_is_an_error(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "records" / "compare_mainjob.py"),
-                        "--report-only", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2, p.stdout + p.stderr
-    last = p.stderr.strip().splitlines()[-1]
+def _main_status(script, argv, capsys):
+    """``(exit status, stderr)`` of ``experiments/records/<script>``'s ``main(argv)``."""
+    import importlib
+    mod = importlib.import_module(f"experiments.records.{script.removesuffix('.py')}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_mainjob_report_only_without_runs_is_an_error(tmp_path, capsys):
+    code, err = _main_status("compare_mainjob.py", ["--report-only", "--out", str(tmp_path)],
+                             capsys)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert "--report-only needs every run; missing" in last and "resnet-s0-serial" in last \
         and "resnet-s4-mgrit-c32" in last, last
     assert not (tmp_path / "mnist_mgrit_vs_serial").exists()

@@ -88,11 +88,13 @@ def test_compiled_resnet_matches_sequential_autograd():
                                            torch.nn.Linear(4, 10)))
 
 
+QUICK = ["plan_unseen"]  # run by the session's one quick run (tests/experiments/conftest.py)
+
+
 @pytest.mark.slow  # two MPI launches
-def test_smoke_run_through_regenerate(tmp_path_factory):
-    from tests.experiments.regenerate_quick import assert_every_script_ok, run_quick
-    quick = run_quick(tmp_path_factory, ["plan_unseen"])
-    assert_every_script_ok(quick, ["plan_unseen"])
+def test_smoke_run_through_regenerate(quick):
+    from tests.experiments.regenerate_quick import assert_every_script_ok
+    assert_every_script_ok(quick, QUICK)
     d = quick[0] / "benchmarks"
     md = (d / "plan_unseen.md").read_text()
     raw = json.loads((d / "plan_unseen.raw.json").read_text())

@@ -80,8 +80,11 @@ def test_verdict_names_the_winner_and_mgrits_ratio():
     assert verdict("net", {"serial": sm([None, None])})[0] is None
 
 
+QUICK = ["time_to_accuracy"]  # run by the session's one quick run (tests/experiments/conftest.py)
+
+
 @pytest.mark.slow  # one 2-rank launch of the study's --smoke mode through regenerate.py
-def test_smoke_run_writes_its_record(tmp_path_factory):
+def test_smoke_run_writes_its_record(quick):
     """``regenerate.py --quick --only time_to_accuracy``: every output with provenance; each
     run stopped at its first evaluation at or above the stored target (or at the cap); and data
     parallelism and GPipe, which compute serial SGD's step, follow the serial curve (same
@@ -90,10 +93,9 @@ def test_smoke_run_writes_its_record(tmp_path_factory):
     import json
 
     from experiments.reports import provenance as prov
-    from tests.experiments.regenerate_quick import assert_every_script_ok, run_quick
-    only = ["time_to_accuracy"]
-    out, p = quick = run_quick(tmp_path_factory, only)
-    assert_every_script_ok(quick, only)
+    from tests.experiments.regenerate_quick import assert_every_script_ok
+    out, p = quick
+    assert_every_script_ok(quick, QUICK)
     d = out / "studies" / "time_to_accuracy"
     for f in ("table.md", "summary.md", "headline.json", "results.json", "mainjob_curves.png",
               "deep_curves.png"):
