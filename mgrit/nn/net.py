@@ -64,7 +64,7 @@ from .segments import first_rank, gap_error, last_rank, layout, steps_error, str
 from .steps import ResidualStep
 from .steps.stochastic import seed_serial
 
-__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict"]
+__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict", "tied_source"]
 
 
 def tied_conflict(state: dict, prefixes: dict) -> str | None:
@@ -72,13 +72,12 @@ def tied_conflict(state: dict, prefixes: dict) -> str | None:
     layer (e.g. a state dict of an untied network: loading it would make the replicas differ),
     else ``None``. ``prefixes``: :meth:`LayerParallelNet.tied_prefixes`."""
     for key, t in state.items():
-        i, _, rest = key.partition(".")
-        pre0 = prefixes.get(f"{i}.F.") if rest.startswith("F.") else None
-        ref = None if pre0 is None else state.get(pre0 + rest[2:])
+        src = tied_source(key, prefixes)
+        ref = None if src is None else state.get(src)
         if ref is not None and t is not ref and not (
                 torch.is_tensor(t) and torch.is_tensor(ref) and t.shape == ref.shape
                 and torch.equal(t, ref)):
-            return (f"{key!r} differs from {pre0 + rest[2:]!r}, but the two layers are weight-"
+            return (f"{key!r} differs from {src!r}, but the two layers are weight-"
                     f"tied (one module): give every layer of a tie group the same values (a "
                     f"state dict of the untied network does not fit a tied one)")
     return None
@@ -91,11 +90,22 @@ def alias_tied(state: dict, prefixes: dict) -> dict:
     if not prefixes:
         return state
     for key in list(state):
-        i, _, rest = key.partition(".")
-        pre0 = prefixes.get(f"{i}.F.")
-        if pre0 is not None and rest.startswith("F.") and pre0 + rest[2:] in state:
-            state[key] = state[pre0 + rest[2:]]
+        src = tied_source(key, prefixes)
+        if src is not None and src in state:
+            state[key] = state[src]
     return state
+
+
+def tied_source(key: str, prefixes: dict) -> str | None:
+    """The key of ``key``'s entry in its tie group's first layer when ``key`` lies under one
+    of the weight-tied prefixes (:meth:`LayerParallelNet.tied_prefixes`, also with a
+    wrapper's prefix in front, e.g. ``"net.3.F."``), else ``None``."""
+    if not prefixes:
+        return None
+    for pre, pre0 in prefixes.items():
+        if key.startswith(pre):
+            return pre0 + key[len(pre):]
+    return None
 
 
 class LayerParallelNet(LayerParallelNetMixin, nn.Module):

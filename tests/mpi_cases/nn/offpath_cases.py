@@ -1,0 +1,212 @@
+"""Rank-side checks of issue 36 (items 2-6, 10, 12): paths one step off the Trainer's own --
+a user network on NetMixin, ``clip_grad_norm_`` called the README's way, dropout outside the
+segment and per-rank seeds, BatchNorm without running statistics under data parallelism,
+``torch.utils.checkpoint`` around a 2-level net with BatchNorm. float64; references are plain
+serial PyTorch loops on the same weights (tests/nn/test_offpath.py)."""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.nn import functional as F
+
+from mgrit.nn import DenseStep, GRUSequenceClassifier, LayerParallelNet, LayerParallelResNet
+from mgrit.nn.protocol import NetMixin
+from mgrit.options import MGRITOptions
+from mgrit.parallel import ProcessGrid, clip_grad_norm_
+from mgrit.training import Trainer
+from mgrit.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tests.mpi_cases.training.trainer_cases import data, mgrit_net, serial_net
+
+COMM = MPI.COMM_WORLD
+DT = torch.float64
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _expect(fn, exc_type, *words):
+    try:
+        fn()
+    except exc_type as exc:
+        msg = str(exc)
+        for w in words:
+            assert w in msg, f"{w!r} not in {msg!r}"
+        return msg
+    raise AssertionError(f"no {exc_type.__name__} raised")
+
+
+# -- item 2: a user network type on NetMixin ------------------------------------------------
+class Wrapped(NetMixin, nn.Module):
+    """A user network: a LayerParallelNet held as ``self.net``; only the loop's members."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.comm = net, net.comm
+
+    @property
+    def is_last(self):
+        return self.net.is_last
+
+    def forward(self, x):
+        return self.net(x)
+
+    def loss(self, out, target, fn=F.cross_entropy):
+        return self.net.loss(out, target, fn)
+
+    def from_last(self, value):
+        return self.net.from_last(value)
+
+
+class LocalLayers(NetMixin, nn.Module):
+    """A partial protocol network: each rank holds its own layers under local keys (the
+    default global_modules is wrong for it)."""
+
+    def __init__(self, comm):
+        super().__init__()
+        torch.manual_seed(comm.Get_rank())
+        self.layers = nn.ModuleList([nn.Linear(3, 3).to(DT) for _ in range(2)])
+        self.comm = comm
+        self.is_last = comm.Get_rank() == comm.Get_size() - 1
+
+    def loss(self, out, target, fn=F.cross_entropy):
+        return fn(out, target)
+
+    def from_last(self, value):
+        return self.comm.bcast(value, root=self.comm.Get_size() - 1)
+
+
+class Plain(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _train(net, steps, x, y, opt):
+    for s in range(steps):
+        j = torch.arange(8 * s, 8 * s + 8) % len(y)
+        opt.zero_grad()
+        out = net(x[j])
+        net.loss(out, y[j]).backward()
+        opt.step()
+
+
+def check_user_net_checkpoint(ckpt_dir):
+    """The wrapper's checkpoint holds every tensor of the serial network under ``net.`` + its
+    serial key; resume equals the continuous run and both equal serial PyTorch."""
+    torch.set_default_dtype(DT)
+    x, y = data()
+    ckpt_dir = ckpt_dir or COMM.bcast(tempfile.mkdtemp(prefix="offpath-") if COMM.Get_rank() == 0
+                                      else None)
+    path = os.path.join(ckpt_dir, f"user-{COMM.Get_size()}.pt")
+    cont = Wrapped(mgrit_net(COMM))
+    opt = torch.optim.SGD(cont.parameters(), lr=0.1, momentum=0.9)
+    _train(cont, 2, x, y, opt)
+    save_checkpoint(path, cont, opt, ProcessGrid(COMM))
+    _train(cont, 2, x[16:], y[16:], opt)
+    ser = serial_net()
+    sopt = torch.optim.SGD(ser.parameters(), lr=0.1, momentum=0.9)
+    for s in range(4):
+        j = torch.arange(8 * s, 8 * s + 8) if s < 2 else torch.arange(16 + 8 * (s - 2),
+                                                                       24 + 8 * (s - 2))
+        sopt.zero_grad()
+        F.cross_entropy(ser(x[j]), y[j]).backward()
+        sopt.step()
+    serial_sd = ser.state_dict()
+    if COMM.Get_rank() == 0:
+        saved = torch.load(path, weights_only=True)["model"]
+        assert sorted(saved) == sorted("net." + k for k in serial_sd), sorted(saved)
+    resumed = Wrapped(mgrit_net(COMM))
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.zero_()
+    ropt = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    load_checkpoint(path, resumed, ropt, ProcessGrid(COMM))
+    _train(resumed, 2, x[16:], y[16:], ropt)
+    worst = 0.0
+    gc = cont.net.gather_state_dict()
+    gr = resumed.net.gather_state_dict()
+    if COMM.Get_rank() == 0:
+        for k, t in serial_sd.items():
+            worst = max(worst, _rel(gc[k], t), _rel(gr[k], t))
+        assert worst < 1e-9, worst
+    # a partial network with local keys: refused naming the colliding keys (P > 1)
+    local = LocalLayers(COMM)
+    if COMM.Get_size() > 1:
+        _expect(lambda: save_checkpoint(path + ".bad", local, None, ProcessGrid(COMM)), CheckpointError,
+                "'layers.0.weight'", "several layer ranks", "global_modules()")
+        assert not os.path.exists(path + ".bad")
+        # a plain wrapper: refused with advice that names the protocol, not the communicator
+        msg = _expect(lambda: Trainer(Plain(mgrit_net(COMM)), torch.optim.SGD(
+            Wrapped(mgrit_net(COMM)).parameters(), lr=0.1),
+            ProcessGrid(COMM, data_parallel=1)), TypeError, "NetMixin", "spans")
+        assert "build the network on grid.layer_comm" not in msg
+    return f"{COMM.bcast(worst):.1e}"
+
+
+# -- item 3: clip_grad_norm_(net, max_norm, comm) as the README shows it -------------------
+def _tied_pair():
+    from mgrit.nn import ResidualStep
+    torch.manual_seed(3)
+    shared = DenseStep(4, "tanh").to(DT)
+    ref = copy.deepcopy(shared)
+    n = 5
+    o = MGRITOptions(max_levels=2, cfactor=2, min_coarse=1, tol=1e-13, max_iter=80)
+    seg = LayerParallelResNet.build(lambda k: shared, n, (4,), comm=COMM, tie=lambda k: 0,
+                                    forward=o, backward=o)
+    torch.manual_seed(11)
+    opening, closing = nn.Linear(3, 4).to(DT), nn.Linear(4, 2).to(DT)
+    serial = nn.Sequential(copy.deepcopy(opening), *[ResidualStep(ref, 1.0 / n)] * n,
+                           copy.deepcopy(closing))
+    return LayerParallelNet(opening, seg, closing), serial
+
+
+def check_clip_readme_way(max_norm=0.05):
+    """Tied group spanning ranks and a ParallelGRU: the norm and the clipped gradients of
+    ``clip_grad_norm_(net, max_norm, comm)`` equal torch's on the serial model."""
+    torch.set_default_dtype(DT)
+    x = torch.randn(5, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1, 0, 1])
+    net, serial = _tied_pair()
+    net.loss(net(x), y).backward()
+    F.cross_entropy(serial(x), y).backward()
+    norm = float(clip_grad_norm_(net, max_norm, COMM))
+    snorm = float(torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm))
+    sp = dict(serial.named_parameters(remove_duplicate=False))
+    worst = abs(norm - snorm) / snorm
+    for key, p in net.named_global_parameters():
+        worst = max(worst, _rel(p.grad, sp[key].grad))
+    assert worst < 1e-9, f"tied: norm {norm} vs serial {snorm}, worst {worst:.2e}"
+    # ParallelGRU: replicated weights counted once
+    torch.manual_seed(7)
+    o = MGRITOptions(max_levels=2, cfactor=2, tol=1e-12, max_iter=60)
+    model = GRUSequenceClassifier(3, 4, 2, comm=COMM, forward=o, backward=o)
+    ser = model.to_serial()
+    xs = torch.randn(4, 6, 3, dtype=DT, generator=torch.Generator().manual_seed(2))
+    ys = torch.tensor([0, 1, 1, 0])
+    model.loss(model(xs), ys).backward()
+    F.cross_entropy(ser["head"](ser["gru"](xs)[1][0]), ys).backward()
+    norm = float(clip_grad_norm_(model, max_norm, COMM))
+    snorm = float(torch.nn.utils.clip_grad_norm_(ser.parameters(), max_norm))
+    e = abs(norm - snorm) / snorm
+    for p, q in zip(model.gru.parameters(), ser["gru"].parameters()):
+        e = max(e, _rel(p.grad, q.grad))
+    assert e < 1e-8, f"GRU: norm {norm} vs serial {snorm}, worst {e:.2e}"
+    # a plain module around the network is searched the same way
+    net2, serial2 = _tied_pair()
+    net2.loss(net2(x), y).backward()
+    F.cross_entropy(serial2(x), y).backward()
+    n2 = float(clip_grad_norm_(Plain(net2), max_norm, COMM))
+    s2 = float(torch.nn.utils.clip_grad_norm_(serial2.parameters(), max_norm))
+    assert abs(n2 - s2) / s2 < 1e-9, (n2, s2)
+    return f"{COMM.allreduce(max(worst, e), op=MPI.MAX):.1e}"

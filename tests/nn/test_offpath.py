@@ -1,0 +1,29 @@
+"""Issue 36 items 2-6, 10, 12: paths one step off the Trainer's own, against serial PyTorch in
+float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
+
+* item 2: a user network on NetMixin (a wrapper around a LayerParallelNet) checkpoints every
+  tensor under its serial key and resumes onto the continuous run and serial PyTorch; a
+  partial one with local keys is refused naming the colliding keys; a plain wrapper at
+  P > 1 is refused with advice naming the protocol;
+* item 3: ``clip_grad_norm_(net, max_norm, comm)`` (the README's call) asks the network for
+  its replicated and tied parameters: the norm and the clipped gradients equal torch's on the
+  serial model (a tie group spanning ranks, a ParallelGRU, a plain module around a net).
+
+All checks of one rank count run in one job (2 and 3 ranks).
+"""
+import pytest
+
+from tests.mpi_harness import MPIBatch
+
+C = "tests.mpi_cases.nn.offpath_cases"
+BATCH = MPIBatch(timeout=300)
+for _k in (2, 3):
+    BATCH.add(_k, "user_net_checkpoint", f"{C}:check_user_net_checkpoint", ckpt_dir="")
+    BATCH.add(_k, "clip_readme_way", f"{C}:check_clip_readme_way")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,name", BATCH.ids())
+def test_offpath_mpi(k, name):
+    results = BATCH.run(k, name)
+    assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
