@@ -62,7 +62,7 @@ from .chains.compiled import compile_neutral_keys, plain_module
 from .protocol import LayerParallelNetMixin
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
-from .steps.stochastic import seed_serial
+from .steps.stochastic import seed_serial, share_stream
 
 __all__ = ["LayerParallelNet", "alias_tied", "tied_conflict", "tied_source"]
 
@@ -202,6 +202,12 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         and an empty placeholder connected to this rank's parameters elsewhere (build the
         loss with :meth:`loss` on every rank and call ``.backward()`` on every rank).
 
+        In training mode on more than one rank the layer ranks share one random stream
+        (before each segment the state of its first layer rank, after the last part the
+        output rank's: a broadcast each; :mod:`mgrit.nn.steps.stochastic`), so dropout in
+        ordinary modules and in the steps draws what the serial network seeded as the first
+        layer rank draws.
+
         Raises:
             ValueError: (every rank, before any message) batch sizes that differ between
                 ranks, an input or opening output that does not fit the first segment's
@@ -219,6 +225,7 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         # that autograd.grad(loss, x) reaches a node on every rank (zero gradient there)
         cur = x if rank == self.first_rank or x.requires_grad else None
         holder = self.first_rank
+        share = self.training and self.comm.Get_size() > 1
         for part in self._parts:
             if not part.is_segment:
                 if rank == part.owner:
@@ -234,6 +241,8 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
                 elif rank == dest:
                     cur = recv(cur, self.comm, holder, tag, (B, *seg.state_shape), seg.dtype,
                                seg.device, self.transfer_stats)
+            if share and not seg._stochastic:  # (a stochastic segment shares it itself)
+                share_stream(self.comm, dest)  # one random stream: the serial one
             if rank == dest:
                 out = seg(cur, batch_size=B)
             else:
@@ -241,6 +250,8 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
                 if cur is not None and cur.requires_grad:  # keeps everything before in this
                     out = join(out, cur, zero_b=cur is not x)  # rank's graph; x gets no gradient
             cur, holder = out, last_rank(seg)
+        if share:  # the modules after the last segment drew on the output rank only
+            share_stream(self.comm, holder)
         return cur
 
     @property

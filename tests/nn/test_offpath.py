@@ -7,7 +7,11 @@ float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
   P > 1 is refused with advice naming the protocol;
 * item 3: ``clip_grad_norm_(net, max_norm, comm)`` (the README's call) asks the network for
   its replicated and tied parameters: the norm and the clipped gradients equal torch's on the
-  serial model (a tie group spanning ranks, a ParallelGRU, a plain module around a net).
+  serial model (a tie group spanning ranks, a ParallelGRU, a plain module around a net);
+* item 4: ``nn.Dropout`` in the opening and closing and mgrit Dropout/DropPath in the steps,
+  seeded per rank (``1000 + rank``) or alike, several steps without reseeding: loss,
+  gradients and parameters equal the serial network seeded as the first layer rank, and the
+  layer ranks' generators are equal after every forward (2-level and one-level paths).
 
 All checks of one rank count run in one job (2 and 3 ranks).
 """
@@ -20,6 +24,8 @@ BATCH = MPIBatch(timeout=300)
 for _k in (2, 3):
     BATCH.add(_k, "user_net_checkpoint", f"{C}:check_user_net_checkpoint", ckpt_dir="")
     BATCH.add(_k, "clip_readme_way", f"{C}:check_clip_readme_way")
+    BATCH.add(_k, "dropout_streams-per_rank", f"{C}:check_dropout_streams", per_rank=True)
+BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=False, levels=1)
 
 
 @pytest.mark.slow

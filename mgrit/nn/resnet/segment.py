@@ -268,10 +268,14 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             mode both always require grad (also when every parameter is frozen), so that every
             rank takes part in the backward.
 
-        In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
-        default generator first (on every rank; :mod:`mgrit.nn.steps.stochastic`).
+        In training mode with Dropout/DropPath in the steps, every rank first takes the first
+        layer rank's default generator state (one broadcast) and draws one seed from it
+        (:mod:`mgrit.nn.steps.stochastic`).
         """
-        seed = stochastic.draw_seed() if self._stochastic and self.training else None
+        seed = None
+        if self._stochastic and self.training:  # one stream, the first layer rank's: one seed
+            stochastic.share_stream(self.comm, self.partition.owner(0))
+            seed = stochastic.draw_seed()
         # an error on one rank only ends the job (mgrit.collective), whatever the launch line
         with self._noise.use(seed, None if seed is None else {}), guarded("layer-parallel forward"):
             return self._forward(x0, batch_size)

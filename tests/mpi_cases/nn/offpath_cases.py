@@ -210,3 +210,60 @@ def check_clip_readme_way(max_norm=0.05):
     s2 = float(torch.nn.utils.clip_grad_norm_(serial2.parameters(), max_norm))
     assert abs(n2 - s2) / s2 < 1e-9, (n2, s2)
     return f"{COMM.allreduce(max(worst, e), op=MPI.MAX):.1e}"
+
+
+# -- item 4: dropout outside the segment, per-rank seeds ------------------------------------
+def check_dropout_streams(per_rank, levels=2, steps=3, tol=1e-10):
+    """``nn.Dropout`` in the opening and the closing, mgrit Dropout/DropPath in the steps;
+    seeded once (the same seed everywhere, or ``1000 + rank``: the DDP habit), several SGD
+    steps without reseeding: loss, gradients and parameters equal the serial network seeded
+    as the first layer rank (1000); the layer ranks' generators are equal after every
+    forward."""
+    from tests.mpi_cases.nn.stateful_cases import DropDense, _batches
+    from mgrit.nn import serial_resnet
+    torch.set_default_dtype(DT)
+    make = lambda k: DropDense().double()  # noqa: E731
+
+    def ends():
+        torch.manual_seed(5)
+        return (nn.Sequential(nn.Linear(2, 3), nn.Dropout(0.3)).double(),
+                nn.Sequential(nn.Dropout(0.2), nn.Linear(3, 4)).double())
+    o = MGRITOptions(max_levels=levels, cfactor=2, min_coarse=1, tol=1e-13, max_iter=80)
+    opening, closing = ends()
+    ser = nn.Sequential(opening, *serial_resnet(make, 7, 1.0, seed=3), closing)
+    opening, closing = ends()
+    seg = LayerParallelResNet.build(make, 7, (3,), comm=COMM, seed=3, forward=o, backward=o)
+    net = LayerParallelNet(opening, seg, closing)
+    batches = _batches((2,), 6, steps)
+    ropt = torch.optim.SGD(ser.parameters(), lr=0.1)
+    torch.manual_seed(1000)
+    ref = []
+    for x, y in batches:
+        ropt.zero_grad()
+        loss = F.cross_entropy(ser(x), y)
+        loss.backward()
+        ref.append((loss.item(), {k: p.grad.clone() for k, p in ser.named_parameters()}))
+        ropt.step()
+    final = {k: p.detach().clone() for k, p in ser.named_parameters()}
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    torch.manual_seed(1000 + COMM.Get_rank() if per_rank else 1000)
+    worst = 0.0
+    for i, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        out = net(x)
+        loss = net.loss(out, y)
+        loss.backward()
+        gens = COMM.allgather(torch.default_generator.get_state())
+        assert all(torch.equal(s, gens[0]) for s in gens), f"step {i}: generators differ"
+        if net.is_last:
+            e = abs(loss.item() - ref[i][0]) / ref[i][0]
+            assert e <= tol, f"step {i}: loss rel err {e} ({loss.item()} vs {ref[i][0]})"
+        for key, p in net.named_global_parameters():
+            e = _rel(p.grad, ref[i][1][key])
+            assert e <= tol, f"step {i}: grad of {key} rel err {e}"
+            worst = max(worst, e)
+        opt.step()
+    for key, p in net.named_global_parameters():
+        worst = max(worst, _rel(p, final[key]))
+    assert worst <= tol, worst
+    return f"{COMM.allreduce(worst, op=MPI.MAX):.1e}"
