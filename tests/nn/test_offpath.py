@@ -11,7 +11,9 @@ float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
 * item 4: ``nn.Dropout`` in the opening and closing and mgrit Dropout/DropPath in the steps,
   seeded per rank (``1000 + rank``) or alike, several steps without reseeding: loss,
   gradients and parameters equal the serial network seeded as the first layer rank, and the
-  layer ranks' generators are equal after every forward (2-level and one-level paths).
+  layer ranks' generators are equal after every forward (2-level and one-level paths);
+* item 5: ``Trainer.evaluate`` with data-parallel replicas and a BatchNorm without running
+  statistics equals the one-process evaluation in the same chunks.
 
 All checks of one rank count run in one job (2 and 3 ranks).
 """
@@ -25,6 +27,7 @@ for _k in (2, 3):
     BATCH.add(_k, "user_net_checkpoint", f"{C}:check_user_net_checkpoint", ckpt_dir="")
     BATCH.add(_k, "clip_readme_way", f"{C}:check_clip_readme_way")
     BATCH.add(_k, "dropout_streams-per_rank", f"{C}:check_dropout_streams", per_rank=True)
+    BATCH.add(_k, "dp_eval_batch_stats", f"{C}:check_dp_eval_batch_stats")
 BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=False, levels=1)
 
 

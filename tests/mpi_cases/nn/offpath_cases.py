@@ -267,3 +267,30 @@ def check_dropout_streams(per_rank, levels=2, steps=3, tol=1e-10):
         worst = max(worst, _rel(p, final[key]))
     assert worst <= tol, worst
     return f"{COMM.allreduce(worst, op=MPI.MAX):.1e}"
+
+
+# -- item 5: BatchNorm without running statistics, data-parallel evaluation ----------------
+def check_dp_eval_batch_stats():
+    """Every rank a data-parallel replica; a serial net with ``BatchNorm1d(track_running_stats
+    =False)``: ``Trainer.evaluate`` equals the one-process evaluation in the same chunks (and
+    a net with running statistics still splits the samples: equal too)."""
+    torch.set_default_dtype(DT)
+    x, y = data(n=24)
+    grid = ProcessGrid(COMM, data_parallel=COMM.Get_size())
+    worst = 0.0
+    for track in (False, True):
+        torch.manual_seed(4)
+        net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5, track_running_stats=track),
+                            nn.Tanh(), nn.Linear(5, 3)).double()
+        ref = copy.deepcopy(net)
+        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), grid,
+                          eval_batch_size=10)
+        acc, loss = trainer.evaluate((x, y))
+        ref.eval()
+        with torch.no_grad():
+            total = sum(F.cross_entropy(ref(x[s:s + 10]), y[s:s + 10], reduction="sum").item()
+                        for s in range(0, len(y), 10))
+        e = abs(loss - total / len(y)) / (total / len(y))
+        assert e < 1e-12, f"track_running_stats={track}: {loss} vs {total / len(y)}"
+        worst = max(worst, e)
+    return f"{COMM.allreduce(worst, op=MPI.MAX):.1e}"
