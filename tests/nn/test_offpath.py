@@ -13,7 +13,10 @@ float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
   gradients and parameters equal the serial network seeded as the first layer rank, and the
   layer ranks' generators are equal after every forward (2-level and one-level paths);
 * item 5: ``Trainer.evaluate`` with data-parallel replicas and a BatchNorm without running
-  statistics equals the one-process evaluation in the same chunks.
+  statistics equals the one-process evaluation in the same chunks;
+* item 6: non-reentrant ``torch.utils.checkpoint`` around a net with BatchNorm in the steps:
+  gradients, running statistics and ``num_batches_tracked`` equal serial + checkpoint on every
+  rank (the recomputation inside an adjoint solve updates them as serial does).
 
 All checks of one rank count run in one job (2 and 3 ranks).
 """
@@ -28,6 +31,8 @@ for _k in (2, 3):
     BATCH.add(_k, "clip_readme_way", f"{C}:check_clip_readme_way")
     BATCH.add(_k, "dropout_streams-per_rank", f"{C}:check_dropout_streams", per_rank=True)
     BATCH.add(_k, "dp_eval_batch_stats", f"{C}:check_dp_eval_batch_stats")
+    BATCH.add(_k, "checkpoint_batchnorm", f"{C}:check_checkpoint_batchnorm")
+BATCH.add(3, "checkpoint_batchnorm-L1", f"{C}:check_checkpoint_batchnorm", levels=1)
 BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=False, levels=1)
 
 

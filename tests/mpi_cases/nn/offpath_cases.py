@@ -294,3 +294,30 @@ def check_dp_eval_batch_stats():
         assert e < 1e-12, f"track_running_stats={track}: {loss} vs {total / len(y)}"
         worst = max(worst, e)
     return f"{COMM.allreduce(worst, op=MPI.MAX):.1e}"
+
+
+# -- item 6: torch.utils.checkpoint around a 2-level net with BatchNorm ---------------------
+def check_checkpoint_batchnorm(levels=2, steps=2, tol=1e-10):
+    """Non-reentrant ``torch.utils.checkpoint`` around the whole net (BatchNorm in the steps,
+    running statistics): gradients, running statistics and ``num_batches_tracked`` equal
+    serial PyTorch with the same checkpoint (which updates them in the forward and in the
+    recomputation) on every rank."""
+    from torch.utils.checkpoint import checkpoint
+    from tests.mpi_cases.nn.stateful_cases import _batches, _compare_state, _nets
+    torch.set_default_dtype(DT)
+    net, ser, in_shape = _nets("dense", COMM, levels)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ser.parameters(), lr=0.1)
+    worst = 0.0
+    for i, (x, y) in enumerate(_batches(in_shape, 6, steps)):
+        for o in (opt, ropt):
+            o.zero_grad(set_to_none=True)
+        F.cross_entropy(checkpoint(ser, x, use_reentrant=False), y).backward()
+        out = checkpoint(net, x, use_reentrant=False)
+        net.loss(out, y).backward()
+        worst = max(worst, _compare_state(net, ser, tol, f"step {i}"))
+        opt.step()
+        ropt.step()
+    tracked = [int(t) for k, t in ser.state_dict().items() if k.endswith("num_batches_tracked")]
+    assert set(tracked) == {2 * steps}, tracked
+    return f"{COMM.allreduce(worst, op=MPI.MAX):.1e}"
