@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collective import CollectiveTimeout, agreed
+from .collective import CollectiveTimeout, agreed, check_thread_level
 from .stats import SolverStats
 
 __all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
@@ -150,6 +150,7 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
     communicate while another has failed. The error is marked
     :func:`~mgrit.collective.agreed` (it passes the abort guard of collective sections)."""
     if comm.Get_size() > 1:
+        check_thread_level()
         tracer = None if stats is None else stats.tracer
         if stats is not None:
             stats.allreduces += 1

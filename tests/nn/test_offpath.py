@@ -16,9 +16,12 @@ float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
   statistics equals the one-process evaluation in the same chunks;
 * item 6: non-reentrant ``torch.utils.checkpoint`` around a net with BatchNorm in the steps:
   gradients, running statistics and ``num_batches_tracked`` equal serial + checkpoint on every
-  rank (the recomputation inside an adjoint solve updates them as serial does).
+  rank (the recomputation inside an adjoint solve updates them as serial does);
+* item 10: training threads under ``MPI4PY_RC_THREAD_LEVEL=single`` are refused on every
+  rank and thread (no hang); item 12: a loader thread drawing from the default generator
+  is named as a possible cause of the "step drew random numbers" error (whole 2-rank jobs).
 
-All checks of one rank count run in one job (2 and 3 ranks).
+All harness checks of one rank count run in one job (2 and 3 ranks).
 """
 import pytest
 
@@ -41,3 +44,42 @@ BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=F
 def test_offpath_mpi(k, name):
     results = BATCH.run(k, name)
     assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
+
+
+def _threads(mode, **env):
+    import subprocess
+    import sys
+    from tests.job.test_train_job import ROOT, job_env
+    from tests.mpi_harness import mpiexec_path
+    e = {**job_env(), **env}
+    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable,
+                        str(ROOT / "tests" / "mpi_cases" / "nn" / "threads_script.py"), mode],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_thread_level_single_refused_not_hung():
+    """Item 10: two training threads per rank under MPI4PY_RC_THREAD_LEVEL=single get the
+    library's RuntimeError naming the level on every rank and thread (the job ends); under
+    mpi4py's default (multiple) they train."""
+    rc, out = _threads("level", MPI4PY_RC_THREAD_LEVEL="single")
+    assert rc == 0, out[-3000:]
+    assert out.count("refused: mgrit communicates from thread 'trainer-") == 4, out[-3000:]
+    assert "THREAD_SINGLE" in out and "MPI4PY_RC_THREAD_LEVEL=multiple" in out
+    rc, out = _threads("level")
+    assert rc == 0 and out.count("['trained', 'trained']") == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_loader_thread_named_as_possible_cause():
+    """Item 12: a thread drawing from torch's default generator during the solves: the error
+    (if the generator moved during a solve) names that thread as a possible cause."""
+    rc, out = _threads("loader")
+    assert rc == 0, out[-3000:]
+    for line in out.splitlines():
+        if "loader: refused" in line:
+            assert "another thread of this process" in line and "'loader'" in line, line
+        else:
+            assert "step drew" not in line, line
+    assert out.count("loader: ") == 2, out[-3000:]

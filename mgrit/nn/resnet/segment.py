@@ -320,11 +320,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
                                       state_shape=shape)
         batchnorm.update_running_statistics(self.steps, res.states, bns)  # once per forward
-        self._rng_error = None if stochastic.rng_unchanged(rng) else (
-            "a step drew random numbers from torch's default generator during the solve "
-            "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
-            "per forward, so it would be a different function in every sweep; use "
-            "mgrit.nn.steps.Dropout / DropPath modules")
+        self._rng_error = None if stochastic.rng_unchanged(rng) else stochastic.drew_message()
         self.last_forward = res
         if self.warm_start and update_warm:
             self._warm = res.states

@@ -52,6 +52,7 @@ after every training forward. Evaluation forwards share nothing.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Sequence
 
 import torch
@@ -265,6 +266,24 @@ def seed_serial(layers: Sequence[nn.Module]) -> None:
     if error:
         raise ValueError(error)
     seed_on_entry(layers[0], source)
+
+
+def drew_message() -> str:
+    """The error of a solve during which torch's default generator moved: a step drew from it
+    or, when this process runs other threads, possibly one of them (a data loader; the
+    generator is one per process, so the check cannot tell the threads apart)."""
+    msg = ("a step drew random numbers from torch's default generator during the solve "
+           "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
+           "per forward, so it would be a different function in every sweep; use "
+           "mgrit.nn.steps.Dropout / DropPath modules")
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if not others:
+        return msg
+    return (f"torch's default generator moved during the solve: either {msg}; or another "
+            f"thread of this process drew from it meanwhile ({len(others)} other thread(s) "
+            f"running: {', '.join(repr(n) for n in others[:3])}; e.g. a data loader): give "
+            f"that thread its own torch.Generator (torch.rand(..., generator=g)); the "
+            f"generator is shared by all threads, so this check cannot tell them apart")
 
 
 def rng_unchanged(before: torch.Tensor) -> bool:
