@@ -97,15 +97,10 @@ def alias_tied(state: dict, prefixes: dict) -> dict:
 
 
 def tied_source(key: str, prefixes: dict) -> str | None:
-    """The key of ``key``'s entry in its tie group's first layer when ``key`` lies under one
-    of the weight-tied prefixes (:meth:`LayerParallelNet.tied_prefixes`, also with a
-    wrapper's prefix in front, e.g. ``"net.3.F."``), else ``None``."""
-    if not prefixes:
-        return None
-    for pre, pre0 in prefixes.items():
-        if key.startswith(pre):
-            return pre0 + key[len(pre):]
-    return None
+    """``key`` in its tie group's first layer if under a tied prefix (also behind a wrapper's
+    prefix: ``"net.3.F."``), else ``None``."""
+    pre = next((p for p in prefixes if key.startswith(p)), None)
+    return None if pre is None else prefixes[pre] + key[len(pre):]
 
 
 class LayerParallelNet(LayerParallelNetMixin, nn.Module):
@@ -202,11 +197,8 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         and an empty placeholder connected to this rank's parameters elsewhere (build the
         loss with :meth:`loss` on every rank and call ``.backward()`` on every rank).
 
-        In training mode on more than one rank the layer ranks share one random stream
-        (before each segment the state of its first layer rank, after the last part the
-        output rank's: a broadcast each; :mod:`mgrit.nn.steps.stochastic`), so dropout in
-        ordinary modules and in the steps draws what the serial network seeded as the first
-        layer rank draws.
+        Training on P > 1 ranks: one random stream, the serial one (two broadcasts;
+        :func:`~mgrit.nn.steps.stochastic.share_stream`).
 
         Raises:
             ValueError: (every rank, before any message) batch sizes that differ between

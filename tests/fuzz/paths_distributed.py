@@ -334,6 +334,31 @@ def path_thread(p, comm):
     _compare(net, ser, "trained from a thread")
 
 
+#: Counterexamples the path programs found on the code before issue 36's fixes (P = 2, seeds
+#: 360000+; each fails there and passes now): replayed by tests/nn/test_offpath.py.
+REGRESSIONS = (
+    '{"eval_bs":3,"layers":4,"levels":2,"n":26,"path":"bn_eval","seed":1643,"track":false}',
+    '{"kind":"plain","layers":7,"levels":2,"momentum":0.0,"path":"protocol","seed":3028,"steps":1}',
+    '{"layers":7,"levels":2,"p_close":0.0,"p_open":0.0,"path":"dropout","per_rank":true,'
+    '"seed":6164,"steps":3,"steps_drop":true}',
+    '{"layers":7,"levels":2,"max_norm":0.01,"net":"plain_tied","norm":2.0,"path":"clip",'
+    '"seed":2561}',
+    '{"layers":7,"levels":2,"momentum":0.1,"path":"ckpt_bn","seed":7751,"steps":1}',
+    '{"kind":"partial","layers":7,"levels":2,"momentum":0.9,"path":"protocol","seed":6233,'
+    '"steps":3}',
+    '{"kind":"full","layers":7,"levels":1,"momentum":0.9,"path":"protocol","seed":7188,'
+    '"steps":1}',
+)
+
+
+def check_path_regressions():
+    """Every program of :data:`REGRESSIONS` passes (AssertionError naming those that fail)."""
+    bad = [(text, v) for text in REGRESSIONS
+           for v in [run_path(json.loads(text), MPI.COMM_WORLD)] if v["status"] == "fail"]
+    assert not bad, bad
+    return len(REGRESSIONS)
+
+
 RUNNERS = {"protocol": path_protocol, "clip": path_clip, "dropout": path_dropout,
            "bn_eval": path_bn_eval, "ckpt_bn": path_ckpt_bn, "thread": path_thread}
 

@@ -19,7 +19,9 @@ float64 (rank-side checks in ``tests/mpi_cases/nn/offpath_cases.py``):
   rank (the recomputation inside an adjoint solve updates them as serial does);
 * item 10: training threads under ``MPI4PY_RC_THREAD_LEVEL=single`` are refused on every
   rank and thread (no hang); item 12: a loader thread drawing from the default generator
-  is named as a possible cause of the "step drew random numbers" error (whole 2-rank jobs).
+  is named as a possible cause of the "step drew random numbers" error (whole 2-rank jobs);
+* item 15: the fuzzer's path programs (``tests.fuzz.paths_distributed``): its regressions
+  (counterexamples found on the code before these fixes) and 12 fresh seeds per rank count.
 
 All harness checks of one rank count run in one job (2 and 3 ranks).
 """
@@ -35,6 +37,9 @@ for _k in (2, 3):
     BATCH.add(_k, "dropout_streams-per_rank", f"{C}:check_dropout_streams", per_rank=True)
     BATCH.add(_k, "dp_eval_batch_stats", f"{C}:check_dp_eval_batch_stats")
     BATCH.add(_k, "checkpoint_batchnorm", f"{C}:check_checkpoint_batchnorm")
+    BATCH.add(_k, "fuzz_path_regressions", "tests.fuzz.paths_distributed:check_path_regressions")
+    BATCH.add(_k, "fuzz_paths", "tests.fuzz.paths_distributed:check_path_seeds",
+              seeds=list(range(360100, 360112)))
 BATCH.add(3, "checkpoint_batchnorm-L1", f"{C}:check_checkpoint_batchnorm", levels=1)
 BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=False, levels=1)
 
@@ -43,7 +48,8 @@ BATCH.add(3, "dropout_streams-same-L1", f"{C}:check_dropout_streams", per_rank=F
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_offpath_mpi(k, name):
     results = BATCH.run(k, name)
-    assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
+    if name != "fuzz_paths":  # (its summary holds each rank's own seconds)
+        assert len(set(map(str, results))) == 1, f"ranks disagree: {results}"
 
 
 def _threads(mode, **env):
