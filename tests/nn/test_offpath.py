@@ -89,3 +89,48 @@ def test_loader_thread_named_as_possible_cause():
         else:
             assert "step drew" not in line, line
     assert out.count("loader: ") == 2, out[-3000:]
+
+
+# -- one process -----------------------------------------------------------------------------
+def _tied_wrapper():
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    from mgrit.nn import DenseStep, LayerParallelNet, LayerParallelResNet
+    from mgrit.options import MGRITOptions
+    from tests.mpi_cases.nn.offpath_cases import Wrapped
+    torch.set_default_dtype(torch.float64)
+    o = MGRITOptions(max_levels=1)
+    seg = LayerParallelResNet.build(lambda k: DenseStep(3, "tanh"), 4, (3,), comm=MPI.COMM_SELF,
+                                    tie=[0, 0, None, None], forward=o, backward=o)
+    return Wrapped(LayerParallelNet(nn.Linear(2, 3), seg, nn.Linear(3, 2)))
+
+
+def test_netmixin_composes_a_wrapped_network():
+    """Item 2 on one process: the wrapper's global keys are ``net.`` + the serial keys, its
+    ties and segments those of the wrapped network, and a checkpoint key maps to its tie
+    group's first layer behind the wrapper's prefix."""
+    from mgrit.nn.net import tied_source
+    net = _tied_wrapper()
+    keys = sorted(p + n for p, m in net.global_modules() for n in m.state_dict())
+    assert keys == sorted("net." + k for k in net.net.to_serial().state_dict())
+    assert net.tied_prefixes() == {"net.2.F.": "net.1.F."}
+    assert net.solver_segments() == list(net.net.segments)
+    assert net.checkpoint_meta()["kind"] == "layer-parallel"
+    assert tied_source("net.2.F.linear.weight", net.tied_prefixes()) == "net.1.F.linear.weight"
+    assert tied_source("net.12.F.linear.weight", {"2.F.": "1.F."}) is None
+
+
+def test_thread_level_check_on_one_process():
+    """Item 10's check is silent on the main thread and on a one-rank world (nothing can wait
+    for another rank there)."""
+    import threading
+
+    from mgrit.collective import check_thread_level
+    check_thread_level()
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(check_thread_level()))
+    t.start()
+    t.join()
+    assert errors == [None]
