@@ -57,6 +57,14 @@ class SerialNet(NetMixin, nn.Module):
         """``[("", module)]`` (a ``torch.compile`` wrapper: the keys of the plain module)."""
         return [("", plain_module(self.module))]
 
+    def tied_prefixes(self) -> dict:
+        """``{}``: one piece under the module's own keys."""
+        return {}
+
+    def solver_segments(self) -> list:
+        """``[]``: a serial network to the runtime (checkpoint kind ``"serial"``)."""
+        return []
+
 
 _LOOP = ("is_last", "loss", "from_last")
 
