@@ -3,8 +3,9 @@ each a *path* with random parameters, run on 1-3 ranks against serial PyTorch in
 (relative ``1e-9``; ``1e-8`` for the GRU):
 
 * ``protocol``: a user network on ``NetMixin`` around a LayerParallelNet (checkpoint keys,
-  resume onto the continuous run and serial), a partial one with local keys (refused naming
-  a key at P > 1), a plain wrapper (refused naming the protocol at P > 1);
+  resume onto the continuous run and serial), a partial one with local keys or a wrapper
+  with its own module on every rank (refused naming a key at P > 1), a plain wrapper
+  (refused naming the protocol at P > 1);
 * ``clip``: ``mgrit.parallel.clip_grad_norm_(net, max_norm, comm)`` as the README calls it
   (weight-tied groups spanning ranks, a ParallelGRU, a plain module around a net; 2-norm or
   inf-norm) against ``torch.nn.utils.clip_grad_norm_`` on the serial model;
@@ -56,7 +57,7 @@ def generate(c) -> dict:
     p = {"path": path, "seed": c.int(0, 9999), "layers": c.pick([3, 4, 5, 7]),
          "levels": c.pick([1, 2])}
     if path == "protocol":
-        p.update(kind=c.pick(["full", "full", "partial", "plain"]), steps=c.int(1, 3),
+        p.update(kind=c.pick(["full", "full", "partial", "plain", "head"]), steps=c.int(1, 3),
                  momentum=c.pick([0.0, 0.9]))
     elif path == "clip":
         p.update(net=c.pick(["tied", "untied", "gru", "plain_tied"]),
@@ -148,6 +149,20 @@ def path_protocol(p, comm):
                     "'layers.0.weight'", "several layer ranks")
         else:
             save_checkpoint(path, net, None, grid)
+        return
+    if p["kind"] == "head":  # the wrapper's own module on every rank, used on the last one
+        lp, _ = _pair(comm, p)
+        net = Wrapped(lp)
+        net.head = nn.Linear(3, 3).to(DT)
+        if comm.size > 1:
+            _raises(lambda: save_checkpoint(path, net, None, grid), CheckpointError,
+                    "'head.weight'", "several layer ranks")
+        else:
+            save_checkpoint(path, net, None, grid)
+            keys = sorted(torch.load(path, weights_only=True)["model"])
+            want = sorted(["head.weight", "head.bias"] + ["net." + k for k in
+                                                          lp.gather_state_dict()])
+            assert keys == want, f"checkpoint keys {keys}"
         return
     if p["kind"] == "plain":
         lp, _ = _pair(comm, p)
