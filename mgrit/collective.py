@@ -35,6 +35,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -43,7 +44,8 @@ from mpi4py import MPI
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "ABORT_ENV", "CollectiveTimeout",
            "collective_timeout", "set_collective_timeout", "allgather_within", "rendezvous",
-           "guarded", "agreed", "abort_on_error", "set_abort_on_error", "set_failure_reporter"]
+           "guarded", "agreed", "abort_on_error", "set_abort_on_error", "set_failure_reporter",
+           "check_thread_level"]
 
 #: Seconds a library rendezvous waits for every rank by default (10 minutes).
 DEFAULT_TIMEOUT = 600.0
@@ -59,6 +61,38 @@ _settings: dict = {"timeout": _UNSET, "abort": None, "reporter": None}
 
 class CollectiveTimeout(RuntimeError):
     """Ranks never arrived at a library collective within :func:`collective_timeout`."""
+
+
+_LEVELS = {}
+
+
+def check_thread_level() -> None:
+    """``RuntimeError`` (marked :func:`agreed`) when the library communicates from a thread
+    other than the main one while MPI was initialized with less than ``MPI.THREAD_MULTIPLE``
+    (``MPI.Query_thread()``; e.g. ``MPI4PY_RC_THREAD_LEVEL=single``) on a world of more than
+    one rank: MPI calls from several threads at that level are undefined and two training
+    threads then wait for each other's messages forever. Cheap: nothing on the main thread;
+    called before the library's collectives (:class:`guarded`, :func:`allgather_within`,
+    ``raise_agreed``, ``ProcessGrid``)."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    if "level" not in _LEVELS:
+        _LEVELS["level"] = MPI.Query_thread()
+        _LEVELS["world"] = MPI.COMM_WORLD.Get_size()
+    level = _LEVELS["level"]
+    if level >= MPI.THREAD_MULTIPLE or _LEVELS["world"] == 1:
+        return
+    names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+    raise agreed(RuntimeError(
+        f"mgrit communicates from thread {threading.current_thread().name!r}, not the main "
+        f"thread, but MPI was initialized with {names.get(level, level)} "
+        f"(MPI.Query_thread()): MPI calls from several threads need MPI.THREAD_MULTIPLE, or "
+        f"the threads' messages may wait for each other forever. Set "
+        f"MPI4PY_RC_THREAD_LEVEL=multiple (or mpi4py.rc.thread_level = 'multiple' before "
+        f"importing mpi4py.MPI; it is mpi4py's default), or train on the main thread"))
 
 
 def _parse_timeout(value, source: str) -> float | None:
@@ -143,6 +177,7 @@ class guarded(contextlib.ContextDecorator):
         self.name, self.agreed_types = name, tuple(agreed_types)
 
     def __enter__(self):
+        check_thread_level()
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -172,6 +207,7 @@ def allgather_within(comm: MPI.Comm, obj, what: str, timeout=_UNSET) -> list:
     size, me = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return [obj]
+    check_thread_level()
     timeout = collective_timeout() if timeout is _UNSET else _parse_timeout(timeout, "timeout")
     sends = [comm.isend((what, obj), dest=r, tag=_TAG) for r in range(size) if r != me]
     got, pending = {me: obj}, set(range(size)) - {me}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collective import CollectiveTimeout, agreed, allgather_within
+from .collective import CollectiveTimeout, agreed, allgather_within, check_thread_level
 from .stats import SolverStats
 
 __all__ = ["Exchanger", "cuda_aware", "raise_agreed"]
@@ -152,6 +152,7 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
     allgather has the library's deadline (:func:`~mgrit.collective.allgather_within`): a rank
     that never arrives is a :class:`~mgrit.collective.CollectiveTimeout` naming it."""
     if comm.Get_size() > 1:
+        check_thread_level()
         tracer = None if stats is None else stats.tracer
         if stats is not None:
             stats.allreduces += 1

@@ -9,7 +9,8 @@ or a :class:`~mgrit.nn.resnet.LayerParallelResNet` *segment*, applied in order, 
   ``(embedding, buffer, buffer, segment, buffer, head)``.
 
 Every segment is its own MGRIT chain (forward solve, adjoint solve in backward) over the same
-layer communicator; gradients through the ordinary modules come from ordinary autograd.
+layer communicator; gradients through the ordinary modules come from ordinary autograd. Every
+rank runs the adjoint solves in reverse forward order (docs page ``features/segments``).
 
 Where things live (layer ranks of the communicator the segments share):
 
@@ -21,15 +22,6 @@ Where things live (layer ranks of the communicator the segments share):
 * Between two segments the state (after the transition modules) is sent to the next segment's
   first layer rank: one message of the exact bytes (any dtype), and its gradient back in
   backward (:mod:`mgrit.nn._p2p`).
-
-Backward order (why a rank never waits for a solve another rank skipped): every rank carries a
-chain tensor through the forward -- the real state where it holds it, else an empty placeholder
-connected to the segments' parameters -- and joins each segment's output to it. So every rank's
-backward graph contains every segment and every transfer, in forward order. PyTorch's engine
-runs the highest sequence number among the ready nodes, and a node becomes ready when all its
-consumers (created later, so with higher numbers) have run: it runs the graph in exactly
-descending creation order, so every rank runs the adjoint solves and gradient messages in
-reverse forward order -- also for several forwards before one backward.
 
 Usage (every rank of the layer communicator)::
 
@@ -64,9 +56,9 @@ from .chains.transforms import compile_disabled, transform_error
 from .protocol import LayerParallelNetMixin
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
-from .steps.stochastic import seed_serial
+from .steps.stochastic import seed_serial, share_stream
 
-__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict"]
+__all__ = ["LayerParallelNet", "alias_tied", "tied_conflict", "tied_source"]
 
 
 def tied_conflict(state: dict, prefixes: dict) -> str | None:
@@ -74,13 +66,12 @@ def tied_conflict(state: dict, prefixes: dict) -> str | None:
     layer (e.g. a state dict of an untied network: loading it would make the replicas differ),
     else ``None``. ``prefixes``: :meth:`LayerParallelNet.tied_prefixes`."""
     for key, t in state.items():
-        i, _, rest = key.partition(".")
-        pre0 = prefixes.get(f"{i}.F.") if rest.startswith("F.") else None
-        ref = None if pre0 is None else state.get(pre0 + rest[2:])
+        src = tied_source(key, prefixes)
+        ref = None if src is None else state.get(src)
         if ref is not None and t is not ref and not (
                 torch.is_tensor(t) and torch.is_tensor(ref) and t.shape == ref.shape
                 and torch.equal(t, ref)):
-            return (f"{key!r} differs from {pre0 + rest[2:]!r}, but the two layers are weight-"
+            return (f"{key!r} differs from {src!r}, but the two layers are weight-"
                     f"tied (one module): give every layer of a tie group the same values (a "
                     f"state dict of the untied network does not fit a tied one)")
     return None
@@ -90,14 +81,17 @@ def alias_tied(state: dict, prefixes: dict) -> dict:
     """``state`` with each tied layer's entries replaced by its group's first layer's tensor
     objects (``prefixes``: :meth:`LayerParallelNet.tied_prefixes`), so that saving it writes
     one copy; keys unchanged."""
-    if not prefixes:
-        return state
-    for key in list(state):
-        i, _, rest = key.partition(".")
-        pre0 = prefixes.get(f"{i}.F.")
-        if pre0 is not None and rest.startswith("F.") and pre0 + rest[2:] in state:
-            state[key] = state[pre0 + rest[2:]]
+    sources = {key: tied_source(key, prefixes) for key in state} if prefixes else {}
+    state.update({key: state[src] for key, src in sources.items()
+                  if src is not None and src in state})
     return state
+
+
+def tied_source(key: str, prefixes: dict) -> str | None:
+    """``key`` in its tie group's first layer if under a tied prefix (also behind a wrapper's
+    prefix: ``"net.3.F."``), else ``None``."""
+    pre = next((p for p in prefixes if key.startswith(p)), None)
+    return None if pre is None else prefixes[pre] + key[len(pre):]
 
 
 class LayerParallelNet(LayerParallelNetMixin, nn.Module):
@@ -195,10 +189,10 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         and an empty placeholder connected to this rank's parameters elsewhere (build the
         loss with :meth:`loss` on every rank and call ``.backward()`` on every rank).
 
-        ``x`` requiring grad on every rank: ``autograd.grad(loss, x)`` runs every adjoint
-        solve on every rank (the input gradient on :attr:`first_rank`, zeros elsewhere).
-        ``torch.compile(net)`` runs this forward eagerly (a graph break); functional calls:
-        see :meth:`LayerParallelResNet.forward`.
+        ``autograd.grad(loss, x)`` (``x`` requiring grad on every rank): the input gradient on
+        :attr:`first_rank`, zeros elsewhere. ``torch.compile(net)`` runs this forward eagerly;
+        functional calls: :meth:`LayerParallelResNet.forward`. Training on P > 1 ranks draws
+        from one random stream, the serial one (:func:`~mgrit.nn.steps.stochastic.share_stream`).
 
         Raises:
             ValueError: (every rank, before any message) batch sizes that differ between
@@ -222,6 +216,7 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         # runs every adjoint solve on every rank (zero gradient to x there)
         cur = x if rank == self.first_rank or x.requires_grad else None
         holder = self.first_rank
+        share = self.training and self.comm.Get_size() > 1
         for part in self._parts:
             if not part.is_segment:
                 if rank == part.owner:
@@ -237,6 +232,8 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
                 elif rank == dest:
                     cur = recv(cur, self.comm, holder, tag, (B, *seg.state_shape), seg.dtype,
                                seg.device, self.transfer_stats)
+            if share and not seg._stochastic:  # (a stochastic segment shares it itself)
+                share_stream(self.comm, dest)  # one random stream: the serial one
             if rank == dest:
                 out = seg(cur, batch_size=B)
             else:  # everything before in this rank's graph, behind the segment's node
@@ -245,6 +242,8 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
                 if link is not None:
                     out = join(out, link)  # a defined (zero) gradient for x and the links
             cur, holder = out, last_rank(seg)
+        if share:  # the modules after the last segment drew on the output rank only
+            share_stream(self.comm, holder)
         return cur
 
     @property

@@ -39,8 +39,11 @@ them; for a network without segments they are empty lists, None or no-ops):
 :meth:`~NetMixin.set_warm_states`, :meth:`~NetMixin.tied_duplicates`,
 :meth:`~NetMixin.check_tied_replicas`. ``NetMixin``'s defaults of the required views are
 those of a module that is one piece on every rank (``global_modules``: ``[("", self)]``,
-no ties, no segments, the ParallelGRU weights replicated); :class:`LayerParallelNetMixin`
-overrides them for :class:`~mgrit.nn.LayerParallelNet`.
+no ties, no segments, the ParallelGRU weights replicated) or, for a network that contains
+networks of this protocol (a wrapper around a :class:`~mgrit.nn.LayerParallelNet`), the
+composition of theirs under the wrapper's key prefixes; :class:`LayerParallelNetMixin`
+overrides them for :class:`~mgrit.nn.LayerParallelNet`. Checkpoints refuse a network whose
+layer ranks give the same key twice (other than declared replicated parameters).
 
 Implementations: :class:`~mgrit.nn.LayerParallelNet` (:class:`LayerParallelNetMixin`),
 :class:`~mgrit.nn.GRUSequenceClassifier`, :class:`~mgrit.training.method.TrainingMethod`
@@ -65,7 +68,8 @@ if TYPE_CHECKING:  # annotations only
     from ..options import MGRITOptions
     from ..solver import MGRITResult
 
-__all__ = ["TrainableNet", "NetMixin", "LayerParallelNetMixin", "REQUIRED", "PROVIDED"]
+__all__ = ["TrainableNet", "NetMixin", "LayerParallelNetMixin", "REQUIRED", "PROVIDED", "subnets",
+           "shared_parameters"]
 
 #: The members a network type implements itself (module doc).
 REQUIRED = ("comm", "is_last", "loss", "from_last", "global_modules", "tied_prefixes",
@@ -130,17 +134,32 @@ class NetMixin:
     # -- required views: defaults --------------------------------------------------------
     def global_modules(self) -> list:
         """``[("", module)]``: this module under its own state-dict keys (a
-        ``torch.compile``\\ d module as the module it wraps)."""
+        ``torch.compile``\\ d module as the module it wraps). A network that contains
+        networks of this protocol (e.g. a wrapper around a
+        :class:`~mgrit.nn.LayerParallelNet` held as ``self.net``) gets their global modules
+        under its own key prefix (``"net.0."``, ``"net.{1+k}.F."``, ...) and its other
+        modules and own tensors under their keys (the keys of the wrapper around the serial
+        network)."""
         from .chains.compiled import plain_module
-        return [("", plain_module(self))]
+        me = plain_module(self)
+        if not subnets(me):
+            return [("", me)]
+        out: list = []
+        _pieces(me, "", out)
+        return out
 
     def tied_prefixes(self) -> dict:
-        """No weight-tied layers: ``{}``."""
-        return {}
+        """The weight-tied prefixes of the contained networks of this protocol, under their
+        key prefix (``{}`` without ties)."""
+        from .chains.compiled import plain_module
+        return {pre + k: pre + v for pre, sub in subnets(plain_module(self))
+                for k, v in sub.tied_prefixes().items()}
 
     def solver_segments(self) -> list:
-        """No MGRIT chains: ``[]``."""
-        return []
+        """The segments of the contained networks of this protocol, in registration order
+        (``[]``: no MGRIT chains)."""
+        from .chains.compiled import plain_module
+        return [seg for _, sub in subnets(plain_module(self)) for seg in sub.solver_segments()]
 
     def replicated_parameters(self) -> list:
         """The weights of every module inside that declares ``replicated_weights = True``
@@ -228,16 +247,7 @@ class NetMixin:
         spanning layer ranks whose group's first layer lives on another rank: that rank counts
         their (identical, summed) gradient in a global norm (the ``counted_elsewhere``
         argument of :func:`mgrit.parallel.clip_grad_norm_`). Local."""
-        out = []
-        for seg in self.solver_segments():
-            tied = getattr(seg, "_tied", None)
-            if tied is None:
-                continue
-            me = seg.comm.Get_rank()
-            for g in tied.spanning:
-                if g in tied.params and tied.root[g] != me:
-                    out.extend(tied.params[g])
-        return out
+        return _tied_duplicates(self.solver_segments())
 
     def check_tied_replicas(self) -> None:
         """ValueError on every rank if a segment's weight-tied replicas differ across its
@@ -245,6 +255,82 @@ class NetMixin:
         ``allgather`` per segment with ties spanning ranks, nothing otherwise)."""
         for seg in self.solver_segments():
             seg.check_tied_replicas()
+
+
+def _tied_duplicates(segments) -> list:
+    out = []
+    for seg in segments:
+        tied = getattr(seg, "_tied", None)
+        if tied is None:
+            continue
+        me = seg.comm.Get_rank()
+        for g in tied.spanning:
+            if g in tied.params and tied.root[g] != me:
+                out.extend(tied.params[g])
+    return out
+
+
+def shared_parameters(module: nn.Module) -> tuple[list, list]:
+    """``(replicated, counted_elsewhere)`` of ``module`` for a global gradient norm
+    (:func:`mgrit.parallel.clip_grad_norm_`): the parameters every layer rank holds with
+    identical gradients, and this rank's replicas of weight-tied groups counted on another
+    rank. A network of this protocol is asked (``replicated_parameters()``,
+    ``tied_duplicates()``); any other module is searched for ``replicated_weights`` modules
+    (:class:`~mgrit.nn.ParallelGRU`) and segments with ties. Local."""
+    if isinstance(module, NetMixin) or (hasattr(module, "replicated_parameters")
+                                        and hasattr(module, "tied_duplicates")):
+        return list(module.replicated_parameters()), list(module.tied_duplicates())
+    from .resnet import LayerParallelResNet
+    rep = [p for m in module.modules() if getattr(m, "replicated_weights", False)
+           for p in m.parameters()]
+    return rep, _tied_duplicates([m for m in module.modules()
+                                  if isinstance(m, LayerParallelResNet)])
+
+
+def subnets(module: nn.Module, prefix: str = "") -> list:
+    """``[(key prefix, net)]``: the outermost modules inside ``module`` (not itself) that
+    implement this protocol (:class:`NetMixin`), in registration order."""
+    out = []
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        if isinstance(child, NetMixin):
+            out.append((f"{prefix}{name}.", child))
+        else:
+            out.extend(subnets(child, f"{prefix}{name}."))
+    return out
+
+
+class _Own(nn.Module):
+    """A module's own parameters and buffers without its submodules (the same tensor
+    objects, so saving and loading it reads and writes the module's)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        for n, p in module._parameters.items():
+            if p is not None:
+                self.register_parameter(n, p)
+        for n, b in module._buffers.items():
+            if b is not None:
+                self.register_buffer(n, b, persistent=n not in module._non_persistent_buffers_set)
+
+
+def _pieces(module: nn.Module, prefix: str, out: list) -> None:
+    """Append ``(key prefix, module)`` pieces covering ``module``'s state once each: the
+    protocol networks inside through their own ``global_modules()``."""
+    own = _Own(module)
+    if len(own.state_dict()):
+        out.append((prefix, own))
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        pre = f"{prefix}{name}."
+        if isinstance(child, NetMixin):
+            out.extend((pre + p, m) for p, m in child.global_modules())
+        elif subnets(child):
+            _pieces(child, pre, out)
+        else:
+            out.append((pre, child))
 
 
 class LayerParallelNetMixin(NetMixin):

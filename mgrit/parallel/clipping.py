@@ -13,7 +13,9 @@ gradients, each parameter counted once:
   :class:`~mgrit.nn.LayerParallelNet` lives on exactly one rank): summed over the layer
   communicator;
 * parameters replicated on every layer rank with identical gradients (a ``ParallelGRU``'s
-  weights) are passed as ``replicated`` and counted once (on layer rank 0);
+  weights) are counted once (on layer rank 0): passed as ``replicated``, or declared by the
+  network passed as ``parameters`` (``replicated_parameters()``, and ``tied_duplicates()``
+  for weight-tied groups spanning ranks);
 * data-parallel replicas hold identical averaged gradients, so nothing is reduced over the
   data communicator: call this *after* averaging, and every replica computes the same norm and
   the same factor.
@@ -32,6 +34,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..nn.protocol import shared_parameters
 from ._flatbuffers import distinct_tensors
 from .procgrid import ProcessGrid
 
@@ -55,8 +58,8 @@ def _number_error(name: str, v, allow_inf: bool = False) -> str | None:
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
                     max_norm: float, grid: ProcessGrid | MPI.Comm | None = None, *,
-                    norm_type: float = 2.0, replicated: Iterable[torch.Tensor] = (),
-                    counted_elsewhere: Iterable[torch.Tensor] = (),
+                    norm_type: float = 2.0, replicated: Iterable[torch.Tensor] | None = None,
+                    counted_elsewhere: Iterable[torch.Tensor] | None = None,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients of this rank's ``parameters`` in place so that the gradient norm
     of the whole (serial) model is at most ``max_norm``; returns that norm before clipping.
@@ -79,11 +82,14 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
             the layer communicator (e.g. a ``ParallelGRU``'s weights, summed over its time
             ranks in backward): counted once. Every other parameter must live on one layer
             rank only (as in :class:`~mgrit.nn.LayerParallelNet`), or it is counted once per
-            rank holding it.
+            rank holding it. None (default): when ``parameters`` is a module, the module is
+            asked (:func:`mgrit.nn.protocol.shared_parameters`: a network's
+            ``replicated_parameters()``); else none.
         counted_elsewhere: those of ``parameters`` whose (identical) gradient another layer
             rank counts: left out of this rank's share of the norm, still scaled (e.g. the
             replicas of a weight-tied group spanning ranks, counted by the rank holding the
-            group's first layer; :meth:`mgrit.nn.protocol.NetMixin.tied_duplicates`). Default none.
+            group's first layer; :meth:`mgrit.nn.protocol.NetMixin.tied_duplicates`). None
+            (default): asked of a module as ``replicated``; else none.
         error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the total norm is NaN
             or Inf instead of scaling by a NaN factor (torch's option, default False).
 
@@ -106,13 +112,17 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     else:
         raise TypeError(f"grid must be a mgrit.parallel.ProcessGrid, an mpi4py communicator or "
                         f"None, got {type(grid).__name__}")
+    if isinstance(parameters, nn.Module) and (replicated is None or counted_elsewhere is None):
+        asked = shared_parameters(parameters)  # the network knows what it replicates
+        replicated = asked[0] if replicated is None else replicated
+        counted_elsewhere = asked[1] if counted_elsewhere is None else counted_elsewhere
     params = _tensors(parameters)
-    shared = {id(p) for p in _tensors(replicated)}
+    shared = {id(p) for p in _tensors(() if replicated is None else replicated)}
     error = _number_error("max_norm", max_norm) or _number_error("norm_type", norm_type, True)
     if error is None and not shared <= {id(p) for p in params}:
         error = "replicated holds tensors that are not among the parameters"
     p = float(norm_type) if error is None else 0.0
-    elsewhere = {id(p) for p in _tensors(counted_elsewhere)}
+    elsewhere = {id(p) for p in _tensors(() if counted_elsewhere is None else counted_elsewhere)}
     grads = [q.grad for q in params if q.grad is not None and id(q) not in elsewhere
              and (id(q) not in shared or comm.Get_rank() == 0)]
     partial = 0.0

@@ -27,6 +27,7 @@ import operator
 import torch
 from mpi4py import MPI
 
+from ..collective import check_thread_level
 from ..launch import check_launch
 
 __all__ = ["ProcessGrid", "device_for_rank", "local_rank_and_size", "check_grid_shape"]
@@ -111,6 +112,7 @@ class ProcessGrid:
 
     def __init__(self, comm: MPI.Comm | None = None, data_parallel: int = 1):
         check_launch()
+        check_thread_level()
         comm = MPI.COMM_WORLD if comm is None else comm
         size = comm.Get_size()
         requested = comm.allgather(repr(data_parallel))

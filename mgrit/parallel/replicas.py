@@ -57,7 +57,7 @@ from mgrit.comm import raise_agreed
 from mgrit.nn.steps.batchnorm import normalize, register_replicas, release_replicas
 
 __all__ = ["SYNC_TYPES", "ReplicaSync", "refuse_unsynchronized", "sync_batch_norm",
-           "global_moments", "has_sync_types", "share_scale"]
+           "global_moments", "has_sync_types", "share_scale", "batch_statistics_in_eval"]
 
 #: Module types whose buffer updates :class:`ReplicaSync` synchronizes (all BatchNorm kinds).
 SYNC_TYPES = (_BatchNorm,)
@@ -77,6 +77,14 @@ def share_scale(n_local: int, global_batch: int, replicas: int) -> float:
 def has_sync_types(modules: Sequence[nn.Module]) -> bool:
     """Whether any of ``modules`` (recursively) is of a :data:`SYNC_TYPES` type."""
     return any(isinstance(m, SYNC_TYPES) for top in modules for m in top.modules())
+
+
+def batch_statistics_in_eval(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of ``modules`` (recursively) normalizes with the statistics of its batch in
+    evaluation mode too (a BatchNorm with ``track_running_stats=False``): its evaluation
+    output depends on how the samples are split into batches."""
+    return any(isinstance(m, _BatchNorm) and m.running_mean is None
+               for top in modules for m in top.modules())
 
 
 def _allgather_rows(comm: MPI.Comm, row: np.ndarray) -> np.ndarray:

@@ -18,7 +18,8 @@ from torch.nn import functional as F
 
 from ..collective import agreed, rendezvous
 from ..parallel import GradientBuckets, ProcessGrid, check_replicas_consistent, clip_grad_norm_
-from ..parallel.replicas import ReplicaSync, has_sync_types, share_scale
+from ..parallel.replicas import (ReplicaSync, batch_statistics_in_eval, has_sync_types,
+                                 share_scale)
 from .callbacks import check_callbacks, restore_states, state_keys
 from .checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from .support.faults import phase
@@ -279,7 +280,9 @@ class Trainer(FitLoop):
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, data: Split | Sequence[np.ndarray | torch.Tensor]) -> tuple:
         """``(accuracy, mean loss)`` on ``data`` (a Split or ``(x, y)``), forward only, in eval
-        mode; the replicas split the samples. Collective over the grid: ranks that do not call
+        mode, in chunks of ``eval_batch_size`` as on one process; the replicas split the
+        samples (all of them evaluate every chunk when a BatchNorm normalizes with batch
+        statistics in evaluation, ``track_running_stats=False``). Collective over the grid: ranks that do not call
         it within :func:`~mgrit.collective.collective_timeout` are named
         (:class:`~mgrit.collective.CollectiveTimeout`, which ends the job)."""
         x, y = as_tensors(data, self._dtype, "test")
@@ -288,7 +291,11 @@ class Trainer(FitLoop):
     def _evaluate(self, x, y) -> tuple:
         with phase("evaluation"):  # every rank, or the missing ones named after the deadline
             rendezvous(self.grid.comm, "evaluation")
-        idx = np.array_split(np.arange(len(y)), self.grid.data_size)[self.grid.data_rank]
+        # batch statistics in evaluation (BatchNorm without running statistics): every replica
+        # evaluates every chunk, as one process does, instead of its shard's
+        whole = self.grid.data_size > 1 and batch_statistics_in_eval([self.net])
+        idx = np.arange(len(y)) if whole else \
+            np.array_split(np.arange(len(y)), self.grid.data_size)[self.grid.data_rank]
         tot = np.zeros(3)
         was_training = self.net.training
         self.net.eval()
@@ -305,7 +312,9 @@ class Trainer(FitLoop):
                     correct = self._metric(out, yj)
                     tot += [lsum, np.nan if correct is None else correct, len(yj)]
         self.net.train(was_training)
-        tot = self.grid.data_comm.allreduce(np.asarray(self.net.from_last(tot)))
+        tot = np.asarray(self.net.from_last(tot))
+        if not whole:
+            tot = self.grid.data_comm.allreduce(tot)
         return float(tot[1] / max(tot[2], 1)), float(tot[0] / max(tot[2], 1))
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python -m tests.fuzz campaign --programs 2000 --ranks 1,2,3 [--enable all] [--hours 1]
     python -m tests.fuzz replay --ranks 2 '<program json>'
+    python -m tests.fuzz paths --programs 60 --ranks 1,2,3   # tests.fuzz.paths_distributed
 
 ``campaign`` runs seeds ``start, start+1, ...`` in chunks, one ``mpiexec`` per chunk and rank
 count (the same seeds on every rank count), until ``--programs`` programs ran or ``--hours``
@@ -116,9 +117,34 @@ def _report(stats, out, enabled, t0):
     print(f"[{summary['wall_seconds']:.0f}s] {line}", flush=True)
 
 
+def paths(args) -> int:
+    """The path programs of :mod:`.paths_distributed`: one mpiexec per rank count."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = {}
+    for r in _ranks(args.ranks):
+        seeds = list(range(args.start, args.start + args.programs))
+        kwargs = {"seeds": seeds, "findings": str(out / "findings.jsonl"),
+                  "progress": str(out / f"progress-{r}.json"), "raise_on_failure": False}
+        t = time.time()
+        reports, log, rc = _launch(r, [{"name": "paths", "kwargs": kwargs,
+                                        "target": "tests.fuzz.paths_distributed:check_path_seeds"}],
+                                   args.timeout)
+        entry = reports[0].get("paths", {}) if reports else {}
+        summary = ast.literal_eval(entry["result"]) if entry.get("status") == "ok" else \
+            {"job_failed": f"exit {rc}: {log[-1500:]}"}
+        summary["wall_seconds"] = round(time.time() - t, 1)
+        total[r] = summary
+        print(f"P={r}: {json.dumps(summary)}", flush=True)
+    (out / "summary.json").write_text(json.dumps(total, indent=1))
+    return 0 if all(s.get("failures") == 0 for s in total.values()) else 1
+
+
 def replay(args) -> int:
     program = json.loads(args.program)
-    calls = [{"name": "replay", "target": "tests.fuzz.driver:check_program",
+    target = "tests.fuzz.paths_distributed:check_path_program" if "path" in program else \
+        "tests.fuzz.driver:check_program"
+    calls = [{"name": "replay", "target": target,
               "kwargs": {"program": program, "expect": None}}]
     reports, log, rc = _launch(_ranks(str(args.ranks))[0], calls, args.timeout)
     entry = reports[0].get("replay") if reports else None
@@ -149,8 +175,15 @@ def main(argv=None) -> int:
     r.add_argument("program", help="the program's JSON text")
     r.add_argument("--ranks", type=int, default=1, help="rank count (1)")
     r.add_argument("--timeout", type=float, default=300, help="seconds (300)")
+    pa = sub.add_parser("paths", help="the path programs of tests.fuzz.paths_distributed "
+                                      "(user networks, clipping, dropout, BatchNorm, threads)")
+    pa.add_argument("--programs", type=int, default=60, help="programs per rank count (60)")
+    pa.add_argument("--ranks", default="1,2,3", help="comma list of rank counts (1,2,3)")
+    pa.add_argument("--start", type=int, default=360000, help="first seed (360000)")
+    pa.add_argument("--timeout", type=float, default=1800, help="seconds per mpiexec (1800)")
+    pa.add_argument("--out", default="fuzz-paths", help="output folder (fuzz-paths)")
     args = ap.parse_args(argv)
-    return campaign(args) if args.cmd == "campaign" else replay(args)
+    return {"campaign": campaign, "paths": paths}.get(args.cmd, replay)(args)
 
 
 if __name__ == "__main__":

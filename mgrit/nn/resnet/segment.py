@@ -270,8 +270,9 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             mode both always require grad (also when every parameter is frozen), so that every
             rank takes part in the backward.
 
-        In training mode with Dropout/DropPath in the steps, one seed is drawn from torch's
-        default generator first (on every rank; :mod:`mgrit.nn.steps.stochastic`).
+        In training mode with Dropout/DropPath in the steps, every rank first takes the first
+        layer rank's default generator state (one broadcast) and draws one seed from it
+        (:mod:`mgrit.nn.steps.stochastic`).
 
         Raises:
             ValueError: (every rank, before any other message) inside a functorch transform
@@ -282,7 +283,10 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                 forward runs the serial pipeline (a ``UserWarning``): gradients reach the
                 substituted tensors as in serial autograd.
         """
-        seed = stochastic.draw_seed() if self._stochastic and self.training else None
+        seed = None
+        if self._stochastic and self.training:  # one stream, the first layer rank's: one seed
+            stochastic.share_stream(self.comm, self.partition.owner(0))
+            seed = stochastic.draw_seed()
         # an error on one rank only ends the job (mgrit.collective), whatever the launch line
         with self._noise.use(seed, None if seed is None else {}), guarded("layer-parallel forward"):
             return self._forward(x0, batch_size)
@@ -330,11 +334,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             res = self._fsolver.solve(None if x0 is None else x0.detach(), initial_guess=guess,
                                       state_shape=shape)
         batchnorm.update_running_statistics(self.steps, res.states, bns)  # once per forward
-        self._rng_error = None if stochastic.rng_unchanged(rng) else (
-            "a step drew random numbers from torch's default generator during the solve "
-            "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
-            "per forward, so it would be a different function in every sweep; use "
-            "mgrit.nn.steps.Dropout / DropPath modules")
+        self._rng_error = None if stochastic.rng_unchanged(rng) else stochastic.drew_message()
         self.last_forward = res
         if self.warm_start and update_warm:
             self._warm = res.states

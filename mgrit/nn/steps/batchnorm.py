@@ -19,6 +19,11 @@ forward's states. Hence, for a segment (:class:`~mgrit.nn.resnet.LayerParallelRe
   unbiased variance, ``num_batches_tracked``); once per training forward, as in serial;
 * in evaluation mode the module's own forward runs (running statistics; no update).
 
+A forward that runs inside another solve (a non-reentrant ``torch.utils.checkpoint``
+recomputation, which a rank may start inside its adjoint solve) updates the running
+statistics with the modules' forwards from before that solve, as serial PyTorch with the same
+checkpoint does (once in the forward, once in the recomputation).
+
 Exact mode (a tolerance) therefore reproduces serial training's outputs, gradients and
 running statistics to round-off. In inexact mode (fixed cycle counts) the running statistics
 come from the approximate final states of the solve, as the outputs and gradients do; the
@@ -62,6 +67,8 @@ __all__ = ["batch_norms", "batchnorm_error", "checked_buffers", "frozen_statisti
 #: BatchNorm module -> (data-parallel communicator, moments function) while a ReplicaSync runs
 _REPLICAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MISSING = object()
+#: BatchNorm module -> the forwards it had before each enclosing frozen_statistics (outermost first)
+_FROZEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register_replicas(bn: _BatchNorm, comm: MPI.Comm, moments) -> None:
@@ -150,14 +157,35 @@ def frozen_statistics(bns: Sequence[_BatchNorm]):
     try:
         for m in bns:
             saved.append((m, m.__dict__.get("forward", _MISSING)))
+            _FROZEN.setdefault(m, []).append(saved[-1][1])
             m.forward = lambda x, m=m: _solve_forward(m, x)
         yield
     finally:
         for m, old in reversed(saved):
-            if old is _MISSING:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = old
+            _FROZEN[m].pop()
+            _set_forward(m, old)
+
+
+def _set_forward(m: _BatchNorm, forward) -> None:
+    if forward is _MISSING:
+        m.__dict__.pop("forward", None)
+    else:
+        m.__dict__["forward"] = forward
+
+
+@contextlib.contextmanager
+def _thawed(bns: Sequence[_BatchNorm]):
+    """Inside the block the BatchNorms of ``bns`` run the forward they had before the
+    outermost :func:`frozen_statistics` around this point (a forward run inside another
+    solve: a ``torch.utils.checkpoint`` recomputation triggered in an adjoint solve)."""
+    saved = [(m, m.__dict__.get("forward", _MISSING)) for m in bns if _FROZEN.get(m)]
+    try:
+        for m, _ in saved:
+            _set_forward(m, _FROZEN[m][0])
+        yield
+    finally:
+        for m, cur in reversed(saved):
+            _set_forward(m, cur)
 
 
 def update_running_statistics(steps: Sequence[nn.Module], states: torch.Tensor,
@@ -167,7 +195,7 @@ def update_running_statistics(steps: Sequence[nn.Module], states: torch.Tensor,
     buffers update as in serial PyTorch; with replicas, synchronized)."""
     if not any(m.training and m.track_running_stats for m in bns):
         return
-    with torch.no_grad():
+    with torch.no_grad(), _thawed(bns):  # (also when this forward runs inside a solve)
         for j, s in enumerate(steps):
             if any(m.training and m.track_running_stats for m in s.modules()
                    if isinstance(m, _BatchNorm)):

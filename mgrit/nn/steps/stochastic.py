@@ -35,10 +35,24 @@ forward does).
 With data-parallel replicas each replica draws the masks of its own shard from the same seed
 (the masks then repeat across replicas' shards): a ``--dp`` run with dropout is not the
 one-replica run; only BatchNorm has that property.
+
+**One random stream per network** (:func:`share_stream`). The layer ranks of one network are
+one serial network, so they share one stream of PyTorch's default generator, the first layer
+rank's: a training forward of a segment with stochastic modules on ``P > 1`` ranks first gives
+every rank the generator state of the segment's first layer rank (one broadcast) and then
+draws the seed, so the seed agrees even when the ranks' generators differ (per-rank seeds,
+``torch.manual_seed(1000 + rank)``; or an ``nn.Dropout`` in the opening, which only the first
+rank runs). :class:`~mgrit.nn.LayerParallelNet` does the same before every other segment and,
+after its last part, from the rank holding the output, so that ordinary modules around the
+segments (an ``nn.Dropout`` in the opening or closing, ``torch.rand`` anywhere) draw what the
+serial network draws. "Serial" is then: the serial network seeded as the first layer rank
+(with the same seed on every rank, the same seed), the generators of all layer ranks equal
+after every training forward. Evaluation forwards share nothing.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Sequence
 
 import torch
@@ -46,6 +60,7 @@ from mpi4py import MPI
 from torch import nn
 
 __all__ = ["Dropout", "DropPath", "NoiseSource", "STOCHASTIC_TYPES", "attach", "draw_seed",
+           "share_stream",
            "mask_seed", "seed_on_entry", "seed_serial", "plain_dropout_error"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant (splitmix64)
@@ -64,6 +79,23 @@ def mask_seed(seed: int, layer: int, slot: int) -> int:
     ``seed`` (a 63-bit int; splitmix64 of the three, so neighbouring layers get unrelated
     streams)."""
     return _splitmix(_splitmix(_splitmix(int(seed) & _M64) ^ int(layer)) ^ int(slot)) >> 1
+
+
+def share_stream(comm: MPI.Comm, root: int) -> None:
+    """Every rank of ``comm`` takes ``root``'s default CPU generator state (and the current
+    CUDA device's, where CUDA is initialized on both): one broadcast; nothing on one rank
+    (module doc)."""
+    if comm.Get_size() == 1:
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    mine = (torch.default_generator.get_state().numpy().tobytes(),
+            torch.cuda.get_rng_state().numpy().tobytes() if cuda else None) \
+        if comm.Get_rank() == root else None
+    cpu, dev = comm.bcast(mine, root=root)
+    if comm.Get_rank() != root:
+        torch.default_generator.set_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
+        if dev is not None and cuda:
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(dev), dtype=torch.uint8))
 
 
 def draw_seed() -> int:
@@ -234,6 +266,24 @@ def seed_serial(layers: Sequence[nn.Module]) -> None:
     if error:
         raise ValueError(error)
     seed_on_entry(layers[0], source)
+
+
+def drew_message() -> str:
+    """The error of a solve during which torch's default generator moved: a step drew from it
+    or, when this process runs other threads, possibly one of them (a data loader; the
+    generator is one per process, so the check cannot tell the threads apart)."""
+    msg = ("a step drew random numbers from torch's default generator during the solve "
+           "(e.g. F.dropout or torch.rand in its forward): MGRIT applies a layer many times "
+           "per forward, so it would be a different function in every sweep; use "
+           "mgrit.nn.steps.Dropout / DropPath modules")
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if not others:
+        return msg
+    return (f"torch's default generator moved during the solve: either {msg}; or another "
+            f"thread of this process drew from it meanwhile ({len(others)} other thread(s) "
+            f"running: {', '.join(repr(n) for n in others[:3])}; e.g. a data loader): give "
+            f"that thread its own torch.Generator (torch.rand(..., generator=g)); the "
+            f"generator is shared by all threads, so this check cannot tell them apart")
 
 
 def rng_unchanged(before: torch.Tensor) -> bool:

@@ -44,7 +44,7 @@ from .io import FORMAT, check_plain, read_file, rng_state, set_rng_state, write_
 from .match import mismatches, not_resumable, payloads
 from ..support import interrupts
 from ..support.faults import phase
-from ...nn.net import alias_tied, tied_conflict
+from ...nn.net import alias_tied, tied_conflict, tied_source
 from ..support.nets import as_net
 from ..support.solvers import replace_solver
 
@@ -118,9 +118,8 @@ def _param_keys(net) -> dict:
 
 
 def _canonical(key: str, tied: dict) -> str:
-    i, _, rest = key.partition(".")
-    pre0 = tied.get(f"{i}.F.") if rest.startswith("F.") else None
-    return key if pre0 is None else pre0 + rest[2:]
+    src = tied_source(key, tied)
+    return key if src is None else src
 
 
 def _local_part(net, optimizer, grid, rank_extra) -> dict:
@@ -135,7 +134,11 @@ def _local_part(net, optimizer, grid, rank_extra) -> dict:
                     copies[id(t)] = t.detach().cpu().clone()
                 model[prefix + n] = copies[id(t)]
         part["model"] = model
-        part["optimizer"] = _optimizer_local(optimizer, _param_keys(net))
+        keys = _param_keys(net)
+        part["optimizer"] = _optimizer_local(optimizer, keys)
+        # keys every layer rank may hold (identical replicas): not a collision when they meet
+        part["replicated"] = sorted({keys[id(p)] for p in net.replicated_parameters()
+                                     if id(p) in keys})
     ws = net.warm_states()
     if any(w is not None for w in ws):
         part["warm"] = ws
@@ -221,6 +224,7 @@ def _assemble(parts, grid, extra) -> dict:
             "optimizer": {"type": head["optimizer_type"], "state": {}, "groups": {}},
             "options": head["options"], "warm": None, "ranks": [], "extra": dict(extra or {})}
     tied = head.get("tied") or {}
+    _refuse_collisions(parts)
     for _, p in parts:
         ckpt["ranks"].append({"rng": p["rng"], "extra": p["extra"]})
         if p["model"] is not None:
@@ -234,6 +238,33 @@ def _assemble(parts, grid, extra) -> dict:
                 merged[k].update(w or {})
     alias_tied(ckpt["model"], tied)  # weight-tied layers: one tensor object, saved once
     return ckpt
+
+
+def _refuse_collisions(parts) -> None:
+    """ValueError naming the keys that two layer ranks both give (other than declared
+    replicated parameters): their ``global_modules()`` are not global keys, and merging them
+    would keep one rank's tensors and drop the other's."""
+    owner, clashes = {}, {}
+    for r, (_, p) in enumerate(parts):
+        if p is None or p["model"] is None:
+            continue
+        shared = set(p.get("replicated", ()))
+        for key in p["model"]:
+            if key in owner and not (key in shared and key in owner[key][1]):
+                clashes.setdefault(key, [owner[key][0]]).append(r)
+            else:
+                owner.setdefault(key, (r, shared))
+    if clashes:
+        named = ", ".join(f"{k!r} (ranks {v})" for k, v in list(clashes.items())[:6])
+        more = f" and {len(clashes) - 6} more" if len(clashes) > 6 else ""
+        raise ValueError(f"{len(clashes)} key(s) of the network's global_modules() are given by "
+                         f"several layer ranks: {named}{more}; a checkpoint would keep one "
+                         f"rank's tensors and drop the others'. global_modules() must list "
+                         f"each module under its key in the serial network (NetMixin's "
+                         f"default, [('', self)], is for a network that is one piece on every "
+                         f"rank; a network containing a LayerParallelNet gets the keys of its "
+                         f"parts; parameters every layer rank holds with identical values must "
+                         f"be declared in replicated_parameters())")
 
 
 def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = None,
@@ -262,13 +293,22 @@ def load_checkpoint(path, net, optimizer, grid=None, *, expect: dict | None = No
     comm, lrank, drank, P_L, P_D = _grid_info(grid)
     rendezvous(comm, "loading a checkpoint")  # every rank, or the missing ones named
     rank = comm.Get_rank()
+    keys = _param_keys(net)
     want = {"model": {prefix + n: list(t.shape) for prefix, m in net.global_modules()
                       for n, t in m.state_dict().items()},
             "points": net.owned_points(), "data_rank": drank,
-            "params": sorted(set(_param_keys(net).values()))}
+            "params": sorted(set(keys.values())),
+            "replicated": sorted({keys[id(p)] for p in net.replicated_parameters()
+                                  if id(p) in keys})}
     wants = comm.gather(want, root=0)
     error, plans = None, None
     if rank == 0:
+        try:
+            _refuse_collisions([(None, w if w["data_rank"] == 0 else {"model": None})
+                                for w in wants])
+        except ValueError as exc:
+            error = ("bad", f"checkpoint {path!r} cannot be loaded into this network: {exc}")
+    if rank == 0 and error is None:
         ckpt, error = read_file(path)
         if error is None:
             head = {"net": net.checkpoint_meta(), "expect": dict(expect or {}),

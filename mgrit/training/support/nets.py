@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from ...nn import LayerParallelResNet
 from ...nn.chains.compiled import plain_module
-from ...nn.protocol import PROVIDED, REQUIRED, NetMixin, TrainableNet
+from ...nn.protocol import PROVIDED, REQUIRED, NetMixin, TrainableNet, subnets
 
 __all__ = ["SerialNet", "as_net"]
 
@@ -57,6 +57,14 @@ class SerialNet(NetMixin, nn.Module):
         """``[("", module)]`` (a ``torch.compile`` wrapper: the keys of the plain module)."""
         return [("", plain_module(self.module))]
 
+    def tied_prefixes(self) -> dict:
+        """``{}``: one piece under the module's own keys."""
+        return {}
+
+    def solver_segments(self) -> list:
+        """``[]``: a serial network to the runtime (checkpoint kind ``"serial"``)."""
+        return []
+
 
 _LOOP = ("is_last", "loss", "from_last")
 
@@ -70,7 +78,8 @@ def as_net(net: nn.Module) -> nn.Module:
             ``LayerParallelNet(opening, resnet, closing)``, which provides the loss on the last
             layer rank); a module with the loop's members (``is_last``, ``loss``,
             ``from_last``) but not the rest of the protocol (a distributed network the runtime
-            would otherwise treat as serial: inherit :class:`~mgrit.nn.protocol.NetMixin`).
+            would otherwise treat as serial: inherit :class:`~mgrit.nn.protocol.NetMixin`);
+            a plain module around a protocol network spanning more than one layer rank.
     """
     if isinstance(net, LayerParallelResNet):
         raise TypeError("a bare LayerParallelResNet cannot be trained directly: wrap it in "
@@ -79,6 +88,17 @@ def as_net(net: nn.Module) -> nn.Module:
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     if isinstance(net, TrainableNet):
         return net
+    spanning = [(pre, sub) for pre, sub in subnets(net) if sub.comm.Get_size() > 1]
+    if spanning:
+        pre, sub = spanning[0]
+        raise TypeError(f"{type(net).__name__} is a plain nn.Module around a "
+                        f"{type(sub).__name__} ({pre[:-1]!r}) that spans "
+                        f"{sub.comm.Get_size()} layer ranks: the runtime would treat it as a "
+                        f"serial network on one rank. Pass the {type(sub).__name__} itself, or "
+                        f"give the wrapper the network protocol: inherit "
+                        f"mgrit.nn.protocol.NetMixin and define comm, is_last, loss and "
+                        f"from_last by delegating to {pre[:-1]!r} (NetMixin then takes the "
+                        f"checkpoint keys, ties and segments from it)")
     if all(hasattr(type(net), a) for a in _LOOP):
         missing = [a for a in REQUIRED + PROVIDED if not hasattr(net, a)]
         raise TypeError(f"{type(net).__name__} has the training loop's members {list(_LOOP)} "
