@@ -20,6 +20,7 @@ from mgrit.multilevel.initialization import depth_schedule, epoch_schedule
 from mgrit.nn.depth import PROLONGATIONS
 from mgrit.nn.gru.chains import COARSE_PROPAGATORS
 from mgrit.options import relaxation_sweeps
+from mgrit.training.checkpoint.io import read_file
 from mgrit.training.lrschedule import SCHEDULES
 
 from .runfolder import never_trained
@@ -65,6 +66,7 @@ def validate(c, world: int) -> None:
     if c.resume and not os.path.isfile(c.resume):
         raise ValueError(f"--resume={c.resume!r}: no such checkpoint file")
     check_out(c)
+    check_resume_position(c)
     if c.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package: pip install "
                          "'layerpar[tensorboard]' (or pip install tensorboard)")
@@ -306,6 +308,26 @@ def check_out(c) -> None:
         raise ValueError(f"--out={c.out!r} exists and is not empty ({len(entries)} entries: "
                          f"{shown}): choose a new run folder, or pass --overwrite (deletes its "
                          f"results) or --resume CHECKPOINT (continues the run there)")
+
+
+def check_resume_position(c) -> None:
+    """--resume of a readable file that is no training checkpoint (a run's final model.pt) or
+    whose position leaves nothing to train under --epochs: refused before any output (the run
+    folder's files stay those of the run that wrote it). Unreadable files are left to the
+    loader's own errors; --multilevel-init resumes at a level's end by design."""
+    if not c.resume or c.multilevel_init:
+        return
+    ckpt, _ = read_file(c.resume)
+    extra = ckpt.get("extra") if isinstance(ckpt, dict) else None
+    if isinstance(extra, dict) and not extra:
+        raise ValueError(f"--resume={c.resume!r} is not a training checkpoint: it holds weights "
+                         f"only (e.g. a run's final model.pt): resume from the checkpoint.pt "
+                         f"a run writes with --checkpoint-every K")
+    pos = extra.get("position") if isinstance(extra, dict) else None
+    if pos and int(pos[0]) >= c.epochs:
+        raise ValueError(f"--resume {c.resume} is at the end of epoch {int(pos[0])} of the "
+                         f"run's {c.epochs}: nothing is left to train (--epochs counts from the "
+                         f"start of the run): pass --epochs > {int(pos[0])} to train more")
 
 
 def check_conflicts(c) -> None:

@@ -86,11 +86,19 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
         run_job(parser.parse_config(base + ["--epochs", "3", "--fwd-iters", "3", "--resume",
                                             str(a / "checkpoint.pt"), "--out",
                                             str(tmp_path / "d")], 1), MPI.COMM_SELF)
-        with pytest.raises(ValueError, match=r"is at the end of epoch 2 of the run's 2: "
-                                             r"nothing is left to train"):
-            run_job(parser.parse_config(base + ["--epochs", "2", "--resume",
-                                                str(a / "checkpoint.pt"), "--out",
-                                                str(tmp_path / "c")], 1), MPI.COMM_SELF)
+        capsys.readouterr()
+        err = _refused(parser, base + ["--epochs", "2", "--resume", str(a / "checkpoint.pt"),
+                                       "--out", str(tmp_path / "c")], capsys)
+        assert "is at the end of epoch 2 of the run's 2: nothing is left to train" in err
+        # into the run's own folder (the newcomer's trial): refused before any output, so the
+        # finished run's files stay as they were; a weights-only file likewise
+        before = {f.name: f.read_bytes() for f in a.iterdir() if f.is_file()}
+        for args, says in ((["--epochs", "1", "--resume", str(a / "checkpoint.pt")],
+                            "nothing is left to train"),
+                           (["--epochs", "3", "--resume", str(a / "model.pt")],
+                            "is not a training checkpoint")):
+            assert says in _refused(parser, base + args + ["--out", str(a)], capsys)
+        assert {f.name: f.read_bytes() for f in a.iterdir() if f.is_file()} == before
     finally:
         torch.set_default_dtype(dtype)
     rows = (b / "steps.csv").read_text().splitlines()[1:]
@@ -103,7 +111,7 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert any("ConvergenceGuard not restored" in n for n in notes), notes  # (mgrit only)
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out
     assert len(json.loads((b / "summary.json").read_text())["epochs"]["loss"]) == 4
-    assert not (tmp_path / "c" / "steps.csv").exists()  # refused before any output
+    assert not (tmp_path / "c").exists()  # refused before any output
     notes = json.loads((tmp_path / "d" / "summary.json").read_text())["resumed"]["notes"]
     assert any("the checkpoint's MGRIT options continue" in n and "max_iter 2 (this run: 3)" in n
                for n in notes), notes  # kept (a guard may have changed them), and said so
