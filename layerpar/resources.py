@@ -11,6 +11,7 @@ states come on top. It is compared with what this node offers: ``MemAvailable`` 
 ``RLIMIT_AS`` (``ulimit -v``)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -120,14 +121,23 @@ def model_bytes(c, in_shape, num_classes: int) -> tuple[int, int] | None:
 
     if c.model == "gru":
         return None
-    try:
+    def count(device):
         counts = []
-        with torch.random.fork_rng(devices=[]):  # the builders seed torch's global generator
+        with torch.random.fork_rng(devices=[]), device:  # the builders seed the generator
             for n in (1, 2):
                 net = build_model(c.model, dataclasses.replace(c, layers=n, multilevel_init=0),
                                   in_shape, num_classes)
                 counts.append(sum(p.numel() for p in net.parameters()))
-    except Exception:  # noqa: BLE001 - no estimate; the real build reports its own error
+        return counts
+
+    # on the meta device first: shapes only, no memory (a huge --width builds too)
+    for device in (torch.device("meta"), contextlib.nullcontext()):
+        try:
+            counts = count(device)
+            break
+        except Exception:  # noqa: BLE001 - no estimate; the real build reports its own error
+            counts = None
+    if counts is None:
         return None
     slots = {"sgd": 1 if c.momentum else 0, "adam": 2, "adamw": 2}.get(c.optimizer, 2)
     size = torch.finfo(torch.float64 if c.dtype == "float64" else torch.float32).bits // 8

@@ -94,6 +94,16 @@ def test_a_network_that_cannot_fit_is_refused_with_both_numbers():
     assert node is None or (node > 0 and where)
 
 
+def test_a_huge_width_is_estimated_without_allocating_it():
+    """The newcomer's ``--width 100000000``: the estimate builds on the meta device (no memory),
+    so the refusal names the numbers instead of the allocator failing in the real build."""
+    per_layer, rest = model_bytes(_cfg(width=100_000_000, layers=4), (1, 8, 8), 10)
+    assert per_layer > (10 ** 16) * 4  # a width x width weight per layer, in training
+    msg = memory_verdict(_cfg(width=100_000_000, layers=4), (1, 8, 8), 10, 1, 1,
+                         available=(8 << 30, "MemAvailable in /proc/meminfo", None))
+    assert msg is not None and "but 8.0 GiB are available" in msg
+
+
 def test_preflight_notes_and_refusal():
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
