@@ -287,6 +287,8 @@ def main(argv, script) -> int:
             Path(a.json).write_text(json.dumps(rows))
         return 0
     refs = {k: read_reference(v)[1] for k, v in files.items() if isinstance(k, tuple) and v}
+    from mgrit.reporting import writers as report
+    meta = report.run_metadata()  # provenance, taken when the runs start
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
     ours = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -309,9 +311,9 @@ def main(argv, script) -> int:
                                     if ok else "some runs differ (see DIFFERS above)")
     print("\n" + verdict)
     if a.out:
-        from mgrit.reporting import writers as report
-        commit = report.run_metadata().get("commit", "unknown")
-        d = write_results(a.out, {"commit": commit, "overrides": overrides, "runs": summary,
-                                  "verdict": verdict}, "\n".join(lines + ["", verdict]))
+        d = write_results(a.out, {"meta": report.finish_metadata(meta),
+                                  "commit": meta.get("commit", "unknown"), "overrides": overrides,
+                                  "runs": summary, "verdict": verdict},
+                          "\n".join(lines + ["", verdict]))
         print(f"wrote {d}/authors.json, authors.md, headline.json")
     return 0 if ok else 1

@@ -110,14 +110,15 @@ def headline_row(summary: dict) -> dict:
 
 
 def write_results(base, summary: dict, text: str) -> Path:
-    """``<base>/guenther2020/authors.json`` and ``authors.md``, and the row in its
-    ``headline.json`` (replaced, the other rows kept)."""
+    """``<base>/guenther2020/authors.json`` and ``authors.md`` (with ``summary["meta"]``, the
+    run's provenance), and the row in its ``headline.json`` (replaced, the other rows kept)."""
     import json
     d = Path(base) / "guenther2020"
     d.mkdir(parents=True, exist_ok=True)
-    (d / "authors.json").write_text(json.dumps(summary, indent=1))
-    (d / "authors.md").write_text("# The authors' own program against their reference outputs\n\n"
-                                  f"commit {summary['commit']}\n\n```\n{text}\n```\n")
+    from mgrit.reporting.writers import write_table
+    (d / "authors.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_table(d / "authors.md", "The authors' own program against their reference outputs",
+                summary["meta"], f"```\n{text}\n```")
     head = d / "headline.json"
     h = json.loads(head.read_text()) if head.is_file() else {"commits": [], "rows": []}
     h["rows"] = [r for r in h["rows"] if r["claim"] != CLAIM] + [headline_row(summary)]
