@@ -92,8 +92,9 @@ def share_stream(comm: MPI.Comm, root: int) -> None:
             torch.cuda.get_rng_state().numpy().tobytes() if cuda else None) \
         if comm.Get_rank() == root else None
     cpu, dev = comm.bcast(mine, root=root)
-    if comm.Get_rank() != root:
-        torch.default_generator.set_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
+    if comm.Get_rank() != root:  # set only where it differs: an equal state is left untouched
+        if cpu != torch.default_generator.get_state().numpy().tobytes():
+            torch.default_generator.set_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
         if dev is not None and cuda:
             torch.cuda.set_rng_state(torch.frombuffer(bytearray(dev), dtype=torch.uint8))
 
