@@ -88,9 +88,10 @@ def alias_tied(state: dict, prefixes: dict) -> dict:
 
 
 def tied_source(key: str, prefixes: dict) -> str | None:
-    """``key`` in its tie group's first layer if under a tied prefix (also behind a wrapper's
-    prefix: ``"net.3.F."``), else ``None``."""
-    pre = next((p for p in prefixes if key.startswith(p)), None)
+    """``key`` in its tie group's first layer if under a tied prefix (a module path ending in
+    ``"."``, also behind a wrapper's: ``"net.3.F."``; one look-up per dot), else ``None``."""
+    ends = (i + 1 for i, ch in enumerate(key) if ch == ".")
+    pre = next((key[:e] for e in ends if key[:e] in prefixes), None)
     return None if pre is None else prefixes[pre] + key[len(pre):]
 
 
