@@ -1,6 +1,6 @@
 """The machine a job runs on, checked before the expensive parts start: cores per rank
 (:func:`oversubscription`) and memory for the network (:func:`memory_verdict`), both for the
-ranks that share this node (:func:`local_ranks`, collective).
+ranks that share this node (:func:`~mgrit.parallel.procgrid.local_rank_and_size`, collective).
 
 The memory estimate is a lower bound, so it never refuses a run that fits: the parameters
 counted from the network built with one and two layers (serially, a few milliseconds), times
@@ -21,7 +21,9 @@ import sys
 import torch
 from mpi4py import MPI
 
-__all__ = ["local_ranks", "cores", "oversubscription", "available_memory", "model_bytes",
+from mgrit.parallel.procgrid import local_rank_and_size
+
+__all__ = ["cores", "oversubscription", "available_memory", "model_bytes",
            "memory_verdict", "preflight", "BYTES_PER_LAYER"]
 
 #: Python objects of one layer of a layer-parallel network besides its tensors (modules,
@@ -29,15 +31,6 @@ __all__ = ["local_ranks", "cores", "oversubscription", "available_memory", "mode
 #: (20,000 layers, width 4); 4 KiB keeps the estimate a lower bound.
 BYTES_PER_LAYER = 4096
 _GiB = float(1 << 30)
-
-
-def local_ranks(comm: MPI.Comm) -> int:
-    """Ranks of ``comm`` on this node (shared-memory split; collective over ``comm``)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size()
-    finally:
-        node.Free()
 
 
 def cores() -> int:
@@ -184,7 +177,7 @@ def preflight(c, comm: MPI.Comm, layer_ranks: int, in_shape, num_classes: int,
     Raises:
         MemoryError: the :func:`memory_verdict` message (estimate and available memory).
     """
-    here = local_ranks(comm)
+    here = local_rank_and_size(comm)[1]
     if comm.Get_rank() == 0:
         warn = oversubscription(torch.get_num_threads(), here)
         if warn:
