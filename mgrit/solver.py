@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -55,6 +56,21 @@ from .result import MGRITResult
 from .stats import SolverStats
 
 __all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
+
+_single_level_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _first_single_level_warning(propagator, key) -> bool:
+    """Whether the single-level warning for ``key`` is this ``propagator``'s first (a
+    segment builds a forward and an adjoint solver over one propagator: one warning)."""
+    try:
+        seen = _single_level_warned.setdefault(propagator, set())
+    except TypeError:  # not weak-referenceable: warn every time
+        return True
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
 
 
 class MGRIT:
@@ -114,7 +130,9 @@ class MGRIT:
         self.hierarchy = Hierarchy(partition, self.rank, options.cfactor, options.max_levels,
                                    options.min_coarse)
         self.root = partition.owner(0)
-        if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0:
+        if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0 \
+                and _first_single_level_warning(propagator, (n_intervals, options.cfactor,
+                                                             options.min_coarse)):
             warnings.warn(f"MGRIT with N={n_intervals}, cfactor={options.cfactor}, min_coarse="
                           f"{options.min_coarse} has a single level: it reduces to sequential "
                           f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",

@@ -298,3 +298,18 @@ def test_twoconv_bias_batched_equals_per_layer(bias):
     assert (out - ref).norm() <= 1e-13 * ref.norm()
     with pytest.raises(ValueError, match="bias"):
         TwoConvStep(2, bias=1)
+
+
+def test_single_level_warning_once_per_segment():
+    """A cfactor too coarse for N: one warning per segment (its forward and adjoint solvers
+    share the propagator), a second segment warns again."""
+    import warnings as _w
+    mk = lambda k: DenseStep(3, "tanh").double()  # noqa: E731
+    opts = MGRITOptions(max_levels=2, cfactor=100, tol=1e-13, max_iter=50)
+    for _ in range(2):
+        with _w.catch_warnings(record=True) as got:
+            _w.simplefilter("always")
+            LayerParallelResNet.build(mk, 8, (3,), seed=2, forward=opts, backward=opts)
+        single = [w for w in got if "has a single level" in str(w.message)]
+        assert len(single) == 1, [str(w.message) for w in got]
+        assert "cfactor=100" in str(single[0].message)
