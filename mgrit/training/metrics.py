@@ -186,6 +186,7 @@ class MetricsWriter:
         self.steps = {k: [] for k in STEP_KEYS}
         self.initial = None
         self._t0, self._nb, self._csv, self._tb = None, 1, None, None
+        self._start_epoch = 0
 
     def state_dict(self) -> dict:
         return {"steps": {k: list(v) for k, v in self.steps.items()}}
@@ -195,6 +196,7 @@ class MetricsWriter:
 
     def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         self._t0 = time.perf_counter()
+        self._start_epoch = plan.start_epoch
         self._nb = max(1, plan.batches_per_epoch)
         self.initial = (plan.initial_test_acc, plan.initial_test_loss)
         self.config.setdefault("parameters", plan.parameters)
@@ -257,14 +259,18 @@ class MetricsWriter:
             self._tb.flush()
 
     def _summary(self, trainer, hist, final, **more) -> None:
-        times = [t for t in hist.get("epoch_time", []) if t is not None]
+        all_times = hist.get("epoch_time", [])
+        times = [t for t in all_times if t is not None]
+        this_run = [t for t in all_times[self._start_epoch:] if t is not None]
         grid = trainer.grid
         if self.eval_solve is not None:
             self.extra["test_metrics_from"] = self.eval_solve(trainer)
         write_summary(self.run, {
             "config": self.config, "final": final, "epochs": hist,
+            # this run's wall time and training time; a resumed fit adds all runs' epochs
             "times": {"total_s": time.perf_counter() - (self._t0 or time.perf_counter()),
-                      "train_s": float(np.sum(times)),
+                      "train_s": float(np.sum(this_run)),
+                      **({"train_s_all_runs": float(np.sum(times))} if self._start_epoch else {}),
                       "mean_epoch_s": float(np.mean(times)) if times else float("nan")},
             "world_size": grid.comm.Get_size(), "dp": grid.data_size, "P_L": grid.layer_size,
             **more, **self.extra})

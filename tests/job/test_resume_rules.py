@@ -111,6 +111,10 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
     assert any("ConvergenceGuard not restored" in n for n in notes), notes  # (mgrit only)
     assert "lr 0.01 -> 0.05" in out and "re-planned" in out
     assert len(json.loads((b / "summary.json").read_text())["epochs"]["loss"]) == 4
+    t = summary["times"]  # this run's 2 epochs within its wall time; all 4 epochs beside
+    epoch_s = summary["epochs"]["epoch_time"]
+    assert t["train_s"] == pytest.approx(sum(epoch_s[2:])) and t["train_s"] <= t["total_s"]
+    assert t["train_s_all_runs"] == pytest.approx(sum(epoch_s))
     assert not (tmp_path / "c").exists()  # refused before any output
     notes = json.loads((tmp_path / "d" / "summary.json").read_text())["resumed"]["notes"]
     assert any("the checkpoint's MGRIT options continue" in n and "max_iter 2 (this run: 3)" in n
