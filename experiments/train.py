@@ -45,6 +45,8 @@ from layerpar.cli import JobParser  # noqa: E402
 from mgrit.training.support.faults import abort_quietly, fail_fast  # noqa: E402
 from layerpar.flags import job_parser  # noqa: E402
 from layerpar.job import run_job  # noqa: E402
+from mgrit.training.support import interrupts  # noqa: E402
+
 
 def build_parser() -> JobParser:
     """The job's parser (:func:`layerpar.flags.job_parser`)."""
@@ -66,10 +68,10 @@ def main(argv=None) -> int:
     torch.set_default_dtype(torch.float64 if config.dtype == "float64" else torch.float32)
     try:
         run_job(config, comm)
-    except KeyboardInterrupt:  # Ctrl-C: rank 0 reported where and how to resume; status 130
-        if comm.Get_rank() != 0:  # rank 0 ends the job once it has written the results so
-            time.sleep(30.0)      # far; the others end it only if rank 0 cannot (a hang)
-        abort_quietly(comm, 130)
+    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: rank 0 reported where and how to
+        if comm.Get_rank() != 0:     # resume; it ends the job once it has written the results
+            time.sleep(30.0)         # so far; the others end it only if rank 0 cannot (a hang)
+        abort_quietly(comm, 143 if isinstance(exc, interrupts.Terminated) else 130)
     return 0
 
 

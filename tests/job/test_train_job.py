@@ -322,9 +322,11 @@ def test_out_must_be_new_unless_overwrite_or_resume(tmp_path, capsys):
         assert "pip install 'layerpar[tensorboard]'" in capsys.readouterr().err
 
 
-def test_ctrl_c_reports_where_and_how_to_resume(tmp_path):
-    """SIGINT to a 1-rank job in training: one line with the epoch and batch, the last
-    checkpoint and the resume command; summary.json so far; exit status 130."""
+@pytest.mark.parametrize("sig,status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_reports_where_and_how_to_resume(tmp_path, sig, status):
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's time limit) to a 1-rank job in training: one
+    line with the epoch and batch, the last checkpoint and the resume command; summary.json
+    so far; exit status 130 / 143."""
     import signal
 
     out = tmp_path / "run"
@@ -337,12 +339,13 @@ def test_ctrl_c_reports_where_and_how_to_resume(tmp_path):
         for line in p.stdout:  # in training once the first epoch has finished
             if line.startswith("epoch 1/500"):
                 break
-        p.send_signal(signal.SIGINT)
+        p.send_signal(getattr(signal, sig))
         so, se = p.communicate(timeout=TIMEOUT)
     finally:
         p.kill()
     lines = [ln for ln in se.splitlines() if ln.startswith("[train] interrupted at epoch ")]
-    assert p.returncode == 130 and len(lines) == 1, (p.returncode, se[-3000:])
+    assert p.returncode == status and len(lines) == 1, (p.returncode, se[-3000:])
+    assert (sig == "SIGTERM") == ("[train] SIGTERM" in se), se[-3000:]
     assert "/500, batch " in lines[0] and f"last checkpoint {out / 'checkpoint.pt'}" in lines[0]
     assert f"--resume {out / 'checkpoint.pt'}`" in lines[0], lines[0]
     assert "KeyboardInterrupt" not in se and "Traceback" not in se, se[-3000:]

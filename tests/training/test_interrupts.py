@@ -110,6 +110,28 @@ def test_deferral_zones(cut):
             _sigint()  # the default handler: at once
 
 
+def test_sigterm_is_deferred_alike_and_raises_terminated(cut):
+    """SIGTERM (a scheduler's time limit) waits for the zone's end like SIGINT and raises
+    ``Terminated`` (a KeyboardInterrupt); SIGTERM wins over a SIGINT; uninstall restores the previous SIGTERM handler."""
+    comm = MPI.COMM_SELF
+    before = signal.getsignal(signal.SIGTERM)
+    assert interrupts.install()
+    with pytest.raises(interrupts.Terminated, match="SIGTERM"):
+        with interrupts.deferred(comm):
+            signal.raise_signal(signal.SIGTERM)
+            assert interrupts.pending()
+    with pytest.raises(KeyboardInterrupt) as got:  # a plain SIGINT stays a plain one
+        with interrupts.deferred(comm):
+            _sigint()
+    assert not isinstance(got.value, interrupts.Terminated)
+    with pytest.raises(interrupts.Terminated):  # check() agrees on the larger signal number
+        with interrupts.deferred(comm):
+            _sigint()
+            interrupts._state["signal"] = int(signal.SIGTERM)  # as if another rank's SIGTERM
+    interrupts.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def _fit(tmp_path, callbacks=()):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(30, 30), nn.Tanh(), nn.Linear(30, 3)).double()

@@ -13,6 +13,8 @@ and when the outermost zone is left -- lets every rank raise :class:`KeyboardInt
 same point. A second SIGINT while one is pending raises at once (a way out of a hang; under
 ``mpiexec`` the launcher's own "Ctrl-C again" aborts the job). Outside the zones, and without
 :func:`install`, SIGINT behaves as Python's default. Only the main thread handles signals.
+SIGTERM (a scheduler's time limit: Slurm sends it before SIGKILL) is handled alike and raises
+:class:`Terminated`, a :class:`KeyboardInterrupt`, on every rank (exit status 143 by convention).
 """
 from __future__ import annotations
 
@@ -22,16 +24,27 @@ import threading
 
 from mpi4py import MPI
 
-__all__ = ["install", "uninstall", "installed", "deferred", "check", "pending"]
+__all__ = ["install", "uninstall", "installed", "deferred", "check", "pending", "Terminated"]
 
-_state = {"installed": False, "previous": None, "depth": 0, "pending": False}
+_state = {"installed": False, "previous": None, "previous_term": None, "depth": 0,
+          "pending": False, "signal": 0}
+_TERM = "SIGTERM (e.g. the scheduler's time limit)"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the job (with :func:`install`: at one step boundary on every rank)."""
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return Terminated(_TERM) if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _handler(signum, frame) -> None:
     if _state["depth"] == 0 or _state["pending"]:
         _state["pending"] = False
-        raise KeyboardInterrupt
+        raise _interrupt(signum)
     _state["pending"] = True
+    _state["signal"] = max(_state["signal"], int(signum))
 
 
 def install() -> bool:
@@ -42,15 +55,18 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     _state["previous"] = signal.signal(signal.SIGINT, _handler)
-    _state.update(installed=True, depth=0, pending=False)
+    _state["previous_term"] = signal.signal(signal.SIGTERM, _handler)
+    _state.update(installed=True, depth=0, pending=False, signal=0)
     return True
 
 
 def uninstall() -> None:
-    """Restore the SIGINT handler that :func:`install` replaced (idempotent)."""
+    """Restore the SIGINT and SIGTERM handlers that :func:`install` replaced (idempotent)."""
     if _state["installed"] and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _state["previous"] or signal.default_int_handler)
-        _state.update(installed=False, previous=None, depth=0, pending=False)
+        signal.signal(signal.SIGTERM, _state["previous_term"] or signal.SIG_DFL)
+        _state.update(installed=False, previous=None, previous_term=None, depth=0,
+                      pending=False, signal=0)
 
 
 def installed() -> bool:
@@ -59,23 +75,24 @@ def installed() -> bool:
 
 
 def pending() -> bool:
-    """Whether a SIGINT arrived on this rank and has not been acted on yet."""
+    """Whether a SIGINT or SIGTERM arrived on this rank and has not been acted on yet."""
     return _state["pending"]
 
 
 def check(comm: MPI.Comm) -> None:
     """Collective over ``comm`` when :func:`install` is in effect (else nothing, no
     communication): raise :class:`KeyboardInterrupt` on every rank if a SIGINT reached any
-    of them.
+    of them (:class:`Terminated` if a SIGTERM reached any).
 
     Raises:
-        KeyboardInterrupt: a SIGINT is pending on some rank (then on every rank alike).
+        KeyboardInterrupt: a signal is pending on some rank (then on every rank alike).
     """
     if not _state["installed"]:
         return
-    if comm.allreduce(int(_state["pending"]), op=MPI.MAX):
-        _state["pending"] = False
-        raise KeyboardInterrupt
+    got = comm.allreduce(_state["signal"] if _state["pending"] else 0, op=MPI.MAX)
+    if got:
+        _state.update(pending=False, signal=0)
+        raise _interrupt(got)
 
 
 @contextlib.contextmanager
