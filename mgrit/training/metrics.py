@@ -35,8 +35,9 @@ __all__ = ["MetricsWriter", "write_metrics", "write_curves", "write_summary", "w
 
 #: Per-step series (``metrics.h5`` group ``steps``, ``steps.csv``): the 0-based step, the
 #: epoch position (``epoch + batches done / batches per epoch``, so step curves share the
-#: epoch axis), the mean loss and accuracy of replica 0's share of the batch (NaN: none).
-STEP_KEYS = ("step", "epoch", "loss", "accuracy")
+#: epoch axis), the mean loss and accuracy of replica 0's share of the batch (NaN: none) and
+#: the learning rate the step used (the optimizer's first parameter group; NaN: none).
+STEP_KEYS = ("step", "epoch", "loss", "accuracy", "lr")
 
 
 def _floats(v) -> np.ndarray:
@@ -192,7 +193,9 @@ class MetricsWriter:
         return {"steps": {k: list(v) for k, v in self.steps.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = {k: list(state.get("steps", {}).get(k, [])) for k in STEP_KEYS}
+        steps = state.get("steps", {})
+        n = len(steps.get("step", []))  # a key older checkpoints lack (lr): NaN per step
+        self.steps = {k: list(steps.get(k, [np.nan] * n)) for k in STEP_KEYS}
 
     def on_fit_start(self, trainer: Trainer, plan: FitPlan) -> None:
         self._t0 = time.perf_counter()
@@ -234,7 +237,7 @@ class MetricsWriter:
                else float(record.step + 1) / self._nb)
         acc = (record.correct / record.samples if record.correct is not None and record.samples
                else None)
-        row = (record.step, pos, float(record.loss), acc)
+        row = (record.step, pos, float(record.loss), acc, record.lr)
         for k, v in zip(STEP_KEYS, row):
             self.steps[k].append(np.nan if v is None else v)
         if self._csv is not None:

@@ -62,6 +62,8 @@ class StepRecord:
             ``on_step_end``, and None for an empty shard).
         correct: correctly classified samples (argmax of a 2-D output vs integer targets;
             None for other outputs or until ``on_step_end``).
+        lr: the learning rate of the step's update (the optimizer's first parameter group,
+            read before ``optimizer.step()``; None with a training method).
         solves: ``[(forward, backward)]`` :class:`~mgrit.solver.MGRITResult` of the step's
             MGRIT solves, one pair per layer-parallel segment (empty for serial networks and
             empty shards). ``forward``/``backward``: the first segment's (None if none).
@@ -74,6 +76,7 @@ class StepRecord:
     weight: float
     loss: float | None = None
     correct: int | None = None
+    lr: float | None = None
     solves: list = field(default_factory=list)
 
     @property

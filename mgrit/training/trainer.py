@@ -232,6 +232,7 @@ class Trainer(FitLoop):
                                                    self.grid.layer_comm,
                                                    replicated=self.net.replicated_parameters(),
                                                    counted_elsewhere=self.net.tied_duplicates()))
+        rec.lr = _first_lr(self.optimizer)
         self.optimizer.step()
         self.steps_done += 1
         if n:
@@ -345,3 +346,14 @@ class Trainer(FitLoop):
                                            loaded.rank_extra.get("callbacks", {})))
         self.steps_done = int(loaded.extra.get("steps", 0))
         return loaded
+
+
+def _first_lr(optimizer) -> float | None:
+    """The learning rate of ``optimizer``'s first parameter group (None if it has none or it
+    is not a number, e.g. a tensor-valued lr is read as its float)."""
+    groups = getattr(optimizer, "param_groups", None)
+    lr = groups[0].get("lr") if groups else None
+    try:
+        return None if lr is None else float(lr)
+    except (TypeError, ValueError):
+        return None

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -103,6 +104,11 @@ def test_resumed_job_uses_and_records_its_settings(parser, tmp_path, capsys):
         torch.set_default_dtype(dtype)
     rows = (b / "steps.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(16))  # the first run's 8 too
+    lrs = [float(r.split(",")[4]) for r in rows]  # the rate each step used: cosine per step
+    cos = [0.5 * (1 + math.cos(math.pi * k / n)) for n, ks in ((8, range(8)), (16, range(8, 16)))
+           for k in ks]  # over 8 steps at 0.01, then re-planned over 16 at 0.05 from step 8
+    assert lrs == pytest.approx([0.01 * c for c in cos[:8]] + [0.05 * c for c in cos[8:]],
+                                rel=1e-12)
     summary = json.loads((b / "summary.json").read_text())
     notes = summary["resumed"]["notes"]
     assert summary["config"]["lr"] == 0.05 and summary["resumed"]["at_epoch"] == 3

@@ -165,6 +165,17 @@ def test_callback_state_survives_other_callbacks(tmp_path):
     assert any("MetricsWriter" in n and "not restored" in n for n in res.plan.notes)
 
 
+def test_writer_state_without_the_lr_series_loads(tmp_path):
+    """A checkpoint from before the per-step ``lr`` series: its steps load, the rate is NaN
+    for each of them, so the series stay aligned and new steps append their rate."""
+    import math
+    w = MetricsWriter(tmp_path)
+    old = {"step": [0, 1], "epoch": [0.5, 1.0], "loss": [2.0, 1.5], "accuracy": [0.1, 0.2]}
+    w.load_state_dict({"steps": old})
+    assert w.steps["step"] == [0, 1] and all(math.isnan(v) for v in w.steps["lr"])
+    assert {len(v) for v in w.steps.values()} == {2}
+
+
 def test_callback_keys_are_names_and_old_keys_still_load():
     class S:
         def __init__(self):
