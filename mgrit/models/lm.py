@@ -168,8 +168,14 @@ class LanguageModelReport:
         report.update({"sample_prompt": self._decode(self.prompt), "sample": self._decode(ids),
                        "sample_note": "greedy, from the trained weights evaluated serially "
                                       "(to_serial())"})
+        blank = sum(c.isspace() for c in report["sample"]) / max(1, len(report["sample"]))
+        report["sample_whitespace_fraction"] = blank
         self.print_fn(f"[lm] greedy sample after {report['sample_prompt']!r}:\n"
                       f"{report['sample']}")
+        if blank > 0.8:  # e.g. the quick default after 2 epochs: "e" and 199 spaces
+            self.print_fn(f"[lm] the sample is {blank:.0%} whitespace: greedy decoding of a "
+                          f"weakly trained character model repeats its most likely character; "
+                          f"train longer (--epochs) for text")
         if self.extra is not None:
             self.extra["lm"] = report
         if self.run is not None:

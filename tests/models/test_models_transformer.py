@@ -228,3 +228,37 @@ def test_records_gpt_job_and_exact_evaluation(tmp_path):
     assert exact["test_loss"] == pytest.approx(final["test_loss"], rel=1e-4)
     load = json.loads((run / "load.json").read_text())
     assert len(load["before"]) == 3 and load["cores"] >= 1
+
+
+def test_lm_report_says_when_the_greedy_sample_is_whitespace(tmp_path):
+    """A model whose argmax is always ' ' (as the quick GPT after 2 epochs): the sample is
+    reported as it is, with its whitespace fraction and a note; a model that writes text gets
+    no note."""
+    import types
+
+    from torch import nn
+
+    from mgrit.models.lm import LanguageModelReport
+
+    class Fixed(nn.Module):
+        def __init__(self, ids):
+            super().__init__()
+            self.ids = ids
+
+        def forward(self, x):  # logits (1, T, 3): the next id cycles through self.ids
+            out = torch.zeros(1, x.shape[1], 3)
+            out[0, -1, self.ids[x.shape[1] % len(self.ids)]] = 1.0
+            return out
+
+    vocab = [" ", "a", "b"]
+    hist = {"epoch": [1], "loss": [2.0], "test_loss": [2.0], "test_acc": [0.3]}
+    for ids, noted in (([0], True), ([1, 2, 0], False)):
+        said = []
+        rep = LanguageModelReport(vocab, torch.tensor([1, 2]), context=4, run=tmp_path,
+                                  sample_length=20, print_fn=said.append)
+        trainer = types.SimpleNamespace(net=Fixed(ids), is_root=True)
+        rep.on_fit_end(trainer, types.SimpleNamespace(history=hist))
+        lm = json.loads((tmp_path / "lm.json").read_text())
+        assert lm["sample_whitespace_fraction"] == pytest.approx(
+            lm["sample"].count(" ") / 20)
+        assert noted == any("whitespace" in s for s in said), said
