@@ -53,7 +53,7 @@ from ...comm import raise_agreed
 from ...grid import Partition
 from ...options import MGRITOptions
 from ...solver import MGRIT
-from ..chains.compiled import compile_neutral_keys
+from ..chains.compiled import _plain_key, compile_neutral_keys
 from ..chains.contract import Fingerprint
 from ..chains.propagators import ForwardChain
 from ..chains.transforms import compile_disabled, transform_error
@@ -64,7 +64,7 @@ from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
 from .structure import StepStructure
-from .tied import tie_groups
+from .tiespec import tie_groups
 
 __all__ = ["LayerParallelResNet"]
 
@@ -241,8 +241,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         except ValueError as exc:
             raise_agreed(comm, str(exc))
         steps, foreign = make_layers(make_step, range(a, min(b, n_layers)), seed, groups)
-        if groups is not None:  # a tied layer's parameters are the group's: never foreign
-            foreign = [(k, n) for k, n in foreign if groups[k] is None]
+        if groups is not None:  # a tied parameter is the group's: never foreign
+            foreign = [(k, n) for k, n in foreign if groups.group_of(k, _plain_key(n)) is None]
         if comm.Get_size() > 1:
             raise_agreed(comm, None if not foreign else (
                 f"parameter {foreign[0][1]!r} of layer {foreign[0][0]} was not created by "
