@@ -56,7 +56,9 @@ class StepStructure:
                                 f"parameters shared between layers are supported on one layer "
                                 f"rank only, unless declared with tie=... (with P = "
                                 f"{self.comm.Get_size()} every rank holds a copy, which tie "
-                                f"keeps identical); declare it with tie, give each layer its "
+                                f"keeps identical); declare it with tie (tie={{"
+                                f"{first_name!r}: lambda k: 0}} for this parameter, or a "
+                                f"function for whole step modules), give each layer its "
                                 f"own parameters or use P = 1")
         return None
 
