@@ -244,6 +244,18 @@ def check_errors():
         raise AssertionError(f"no ValueError for {how} {words}")
     gathered = COMM.allgather(msgs)
     assert all(m == gathered[0] for m in gathered), "ranks raised different messages"
+    # a tied parameter replaced on one layer after construction: the next forward is refused
+    for levels in (1, 2):
+        net, _ = _nets("ode", levels)
+        seg = net.segments[0]
+        if COMM.Get_rank() == COMM.Get_size() - 1:
+            seg.steps[-1].lin.weight = nn.Parameter(seg.steps[-1].lin.weight.detach().clone())
+        try:
+            net(_rand(B, 3, seed=1))
+        except ValueError as e:
+            assert "replaced on some of its layers" in str(e), str(e)
+        else:
+            raise AssertionError("a broken tie accepted")
     # a state dict giving tied parameters different values is refused
     net, _ = _nets("ode", 2)
     state = net.gather_state_dict()
