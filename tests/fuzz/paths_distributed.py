@@ -402,6 +402,8 @@ def run_path(program: dict, comm) -> dict:
 def check_path_seeds(seeds, findings=None, progress=None, raise_on_failure=True, only=None):
     """Run the path programs of ``seeds`` (``only``: of that path); failures appended to
     ``findings`` (JSON lines) by rank 0. Returns counts (per path and verdict)."""
+    if only is not None and only not in PATHS:
+        raise ValueError(f"only={only!r} is not allowed: use one of {PATHS} or None")
     comm = MPI.COMM_WORLD
     counts, failures, t0 = {}, [], time.perf_counter()
     for seed in seeds:
