@@ -10,9 +10,9 @@ importable from here: :class:`SmoothReLU`, :class:`ResidualStep`, :func:`layer_s
 transfer of weights between networks of N and f*N layers (multilevel initialization, Cyr,
 Guenther, Schroder 2019; MG/Opt) is in :mod:`mgrit.nn.depth` (``prolong``, ``restrict``,
 ``transfer_weights``, ``DepthTransfer``). Weight-tied layers, also across ranks
-(``LayerParallelResNet.build(..., tie=lambda k: 0)``: one module for every layer; replicas
-kept identical, gradients summed over the layer ranks inside the backward) are in
-:mod:`mgrit.nn.resnet.tied`.
+(``LayerParallelResNet.build(..., tie=lambda k: 0)``: one module for every layer;
+``tie={"lin.weight": lambda k: 0}``: one parameter; replicas kept identical, gradients summed
+over the layer ranks inside the backward) are in :mod:`mgrit.nn.resnet.tied`.
 Depends on torch, mpi4py and the solver core (``mgrit.comm``, ``grid``,
 ``options``, ``solver``); never imports ``mgrit.parallel``, ``mgrit.training`` or
 ``experiments``. Uses only the layer communicator handed to each segment (never

@@ -51,48 +51,15 @@ from torch.nn import functional as F
 from ..comm import raise_agreed
 from ..stats import SolverStats
 from ._p2p import join, recv, send, transfer_tag
-from .chains.compiled import compile_neutral_keys, plain_module
+from .chains.compiled import compile_neutral_keys, plain_module, share_parameter
 from .chains.transforms import compile_disabled, transform_error
 from .protocol import LayerParallelNetMixin
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 from .steps.stochastic import seed_serial, share_stream
+from .tied_keys import alias_tied, tied_conflict, tied_source
 
 __all__ = ["LayerParallelNet", "alias_tied", "tied_conflict", "tied_source"]
-
-
-def tied_conflict(state: dict, prefixes: dict) -> str | None:
-    """A message when ``state`` gives a weight-tied layer other values than its group's first
-    layer (e.g. a state dict of an untied network: loading it would make the replicas differ),
-    else ``None``. ``prefixes``: :meth:`LayerParallelNet.tied_prefixes`."""
-    for key, t in state.items():
-        src = tied_source(key, prefixes)
-        ref = None if src is None else state.get(src)
-        if ref is not None and t is not ref and not (
-                torch.is_tensor(t) and torch.is_tensor(ref) and t.shape == ref.shape
-                and torch.equal(t, ref)):
-            return (f"{key!r} differs from {src!r}, but the two layers are weight-"
-                    f"tied (one module): give every layer of a tie group the same values (a "
-                    f"state dict of the untied network does not fit a tied one)")
-    return None
-
-
-def alias_tied(state: dict, prefixes: dict) -> dict:
-    """``state`` with each tied layer's entries replaced by its group's first layer's tensor
-    objects (``prefixes``: :meth:`LayerParallelNet.tied_prefixes`), so that saving it writes
-    one copy; keys unchanged."""
-    sources = {key: tied_source(key, prefixes) for key in state} if prefixes else {}
-    state.update({key: state[src] for key, src in sources.items()
-                  if src is not None and src in state})
-    return state
-
-
-def tied_source(key: str, prefixes: dict) -> str | None:
-    """``key`` in its tie group's first layer if under a tied prefix (a module path ending in
-    ``"."``, also behind a wrapper's: ``"net.3.F."``; one look-up per dot), else ``None``."""
-    ends = (i + 1 for i, ch in enumerate(key) if ch == ".")
-    pre = next((key[:e] for e in ends if key[:e] in prefixes), None)
-    return None if pre is None else prefixes[pre] + key[len(pre):]
 
 
 class LayerParallelNet(LayerParallelNetMixin, nn.Module):
@@ -326,10 +293,16 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
         pieces = self.comm.allgather(mine)
         layers = dict(item for piece in pieces for item in piece)
+        params = []
         for key, key0 in self.tied_prefixes().items():  # one module per tie group
             i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
-            layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+            if key.endswith("."):
+                layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+            else:  # one parameter per parameter group: "{i}.F.{name}"
+                params.append((i, i0, key.split(".", 2)[2]))
         out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
+        for i, i0, name in params:
+            share_parameter(out[i].F, out[i0].F, name)
         for part in self._parts:  # Dropout/DropPath: each segment's layers draw its masks
             if part.is_segment:
                 seed_serial(out[part.offset:part.offset + part.module.n_layers])
@@ -338,13 +311,15 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
     def tied_prefixes(self) -> dict:
         """``{"{o+k}.F.": "{o+k0}.F."}``: the global key prefix of every weight-tied layer
         (``LayerParallelResNet(tie=...)``) that is not its group's first layer, mapped to the
-        first layer's (local, no communication; empty without ties)."""
+        first layer's; a tied parameter (``tie={"lin.weight": ...}``) by its key,
+        ``{"{o+k}.F.lin.weight": "{o+k0}.F.lin.weight"}`` (local, no communication; empty
+        without ties)."""
         out = {}
         for part in self._parts:
             if part.is_segment:
                 o = part.offset
-                out.update({f"{o + k}.F.": f"{o + k0}.F."
-                            for k, k0 in part.module.tied_sources().items()})
+                out.update({f"{o + k}.F.{path or ''}": f"{o + k0}.F.{path or ''}"
+                            for k, path, k0 in part.module.tied_entries()})
         return out
 
     def gather_state_dict(self, root: int = 0) -> dict | None:

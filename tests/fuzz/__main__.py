@@ -125,7 +125,8 @@ def paths(args) -> int:
     for r in _ranks(args.ranks):
         seeds = list(range(args.start, args.start + args.programs))
         kwargs = {"seeds": seeds, "findings": str(out / "findings.jsonl"),
-                  "progress": str(out / f"progress-{r}.json"), "raise_on_failure": False}
+                  "progress": str(out / f"progress-{r}.json"), "raise_on_failure": False,
+                  "only": args.only}
         t = time.time()
         reports, log, rc = _launch(r, [{"name": "paths", "kwargs": kwargs,
                                         "target": "tests.fuzz.paths_distributed:check_path_seeds"}],
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
     pa.add_argument("--start", type=int, default=360000, help="first seed (360000)")
     pa.add_argument("--timeout", type=float, default=1800, help="seconds per mpiexec (1800)")
     pa.add_argument("--out", default="fuzz-paths", help="output folder (fuzz-paths)")
+    pa.add_argument("--only", default=None, help="programs of this path only (e.g. ptie)")
     args = ap.parse_args(argv)
     return {"campaign": campaign, "paths": paths}.get(args.cmd, replay)(args)
 

@@ -16,7 +16,9 @@ each a *path* with random parameters, run on 1-3 ranks against serial PyTorch in
 * ``ckpt_bn``: non-reentrant ``torch.utils.checkpoint`` around a net with BatchNorm in the
   steps (running statistics, ``num_batches_tracked``) against serial + checkpoint;
 * ``thread``: the layer-parallel net trained from a worker thread (mpi4py's default thread
-  level) against serial training.
+  level) against serial training;
+* ``ptie``: parameter-level ties across ranks (``tie={"lin.weight": ...}``, item 14;
+  :mod:`tests.fuzz.paths_ptie`).
 
 A program is JSON ``{"path": name, ...parameters}``; the verdict ``{"status": "ok" | "fail",
 "message"}`` is agreed over the ranks (an exception on some ranks only is a failure).
@@ -44,16 +46,18 @@ from mgrit.parallel import ProcessGrid, clip_grad_norm_
 from mgrit.training import Trainer
 from mgrit.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
+from . import paths_ptie
 from .program import RandomChooser, dumps
 
 DT = torch.float64
 TOL = 1e-9
-PATHS = ("protocol", "clip", "dropout", "bn_eval", "ckpt_bn", "thread")
+PATHS = ("protocol", "clip", "dropout", "bn_eval", "ckpt_bn", "thread", "ptie")
 
 
-def generate(c) -> dict:
-    """One path program from chooser ``c`` (``int``, ``pick``, ``bool``)."""
-    path = c.pick(PATHS)
+def generate(c, only: str | None = None) -> dict:
+    """One path program from chooser ``c`` (``int``, ``pick``, ``bool``); ``only``: of that
+    path."""
+    path = c.pick(PATHS) if only is None else only
     p = {"path": path, "seed": c.int(0, 9999), "layers": c.pick([3, 4, 5, 7]),
          "levels": c.pick([1, 2])}
     if path == "protocol":
@@ -71,11 +75,13 @@ def generate(c) -> dict:
         p.update(momentum=c.pick([0.1, None]), steps=c.int(1, 3))
     elif path == "thread":
         p.update(steps=c.int(1, 3))
+    elif path == "ptie":
+        p.update(paths_ptie.generate(c, p))
     return p
 
 
-def from_seed(seed: int) -> dict:
-    return generate(RandomChooser(seed))
+def from_seed(seed: int, only: str | None = None) -> dict:
+    return generate(RandomChooser(seed), only)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -376,7 +382,8 @@ def check_path_regressions():
 
 
 RUNNERS = {"protocol": path_protocol, "clip": path_clip, "dropout": path_dropout,
-           "bn_eval": path_bn_eval, "ckpt_bn": path_ckpt_bn, "thread": path_thread}
+           "bn_eval": path_bn_eval, "ckpt_bn": path_ckpt_bn, "thread": path_thread,
+           "ptie": paths_ptie.path_ptie}
 
 
 def run_path(program: dict, comm) -> dict:
@@ -392,13 +399,15 @@ def run_path(program: dict, comm) -> dict:
     return {"status": "fail" if bad else "ok", "message": "; ".join(bad)[:1500]}
 
 
-def check_path_seeds(seeds, findings=None, progress=None, raise_on_failure=True):
-    """Run the path programs of ``seeds``; failures appended to ``findings`` (JSON lines) by
-    rank 0. Returns counts (per path and verdict)."""
+def check_path_seeds(seeds, findings=None, progress=None, raise_on_failure=True, only=None):
+    """Run the path programs of ``seeds`` (``only``: of that path); failures appended to
+    ``findings`` (JSON lines) by rank 0. Returns counts (per path and verdict)."""
+    if only is not None and only not in PATHS:
+        raise ValueError(f"only={only!r} is not allowed: use one of {PATHS} or None")
     comm = MPI.COMM_WORLD
     counts, failures, t0 = {}, [], time.perf_counter()
     for seed in seeds:
-        program = from_seed(seed)
+        program = from_seed(seed, only)
         if comm.rank == 0 and progress:
             with open(progress, "w") as fh:
                 fh.write(json.dumps({"seed": seed, "program": program}) + "\n")

@@ -33,6 +33,14 @@ def plain_module(module: nn.Module) -> nn.Module:
     return module
 
 
+def share_parameter(module: nn.Module, source: nn.Module, name: str) -> None:
+    """Put ``source``'s parameter ``name`` (dotted) into ``module`` in place of its own (the
+    two modules of one structure; a weight-tied parameter of serial copies)."""
+    owner_path, _, leaf = name.rpartition(".")
+    setattr(plain_module(module).get_submodule(owner_path), leaf,
+            plain_module(source).get_parameter(name))
+
+
 def _plain_key(key: str) -> str:
     parts = key.split(".")
     return ".".join(p for p in parts if p != _ORIG)

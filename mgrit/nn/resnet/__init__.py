@@ -16,6 +16,7 @@ above it).
 * :mod:`mgrit.nn.resnet.pipelined`: the one-level exact path (layer-wise model parallelism in
   autograd);
 * :mod:`mgrit.nn.resnet.tied`: weight-tied layers, also across ranks;
+* :mod:`mgrit.nn.resnet.tiespec`: the ``tie`` declaration (whole steps or parameters), normalized;
 * :mod:`mgrit.nn.resnet.seeding`: per-layer seeded construction (:func:`layer_seed`) and the
   serial reference :func:`serial_resnet`.
 """

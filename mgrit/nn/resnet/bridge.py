@@ -149,7 +149,8 @@ def node_backward(model, ctx, grad) -> tuple:
     if ctx.stacked_inputs:
         gx0, grads = _adjoint(model, states, tensors, grad, need_x, "stacked")
         if ties is not None:  # weight-tied groups across ranks: the sum over the ranks
-            grads = ties.reduce_stacked_grads(list(grads))
+            # the snapshot's keys: the stacked parameter names first (Stacked.refresh)
+            grads = ties.reduce_stacked_grads(list(grads), ctx.stack_names[:len(grads)])
         return (gx0, *[g if w else None for g, w in zip(grads, need_p)])
     index = ctx.param_index
     tied = len(index) != len(need_p)

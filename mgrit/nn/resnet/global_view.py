@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from ..chains.compiled import plain_module
+from ..chains.compiled import plain_module, share_parameter
 from ..steps import stochastic
 from ..steps.basic import ResidualStep
 
@@ -31,21 +31,27 @@ class GlobalView:
         for k, k0 in self.tied_sources().items():  # one module per tie group, as in serial
             layers[k] = layers[k0]
         copies = copy.deepcopy(list(layers.values()))  # one memo: ties are kept
+        for k, path, k0 in self.tied_entries():  # one Parameter per parameter group
+            if path:
+                share_parameter(copies[k], copies[k0], path)
         layers = [ResidualStep(s, self.h) for s in copies]
         stochastic.seed_serial(layers)  # Dropout/DropPath: the same masks from the same seed
         return nn.Sequential(*layers)
 
     def tied_sources(self) -> dict:
-        """``{k: k0}`` for every tied layer ``k`` that is not its group's first layer ``k0``
-        (global; empty without ``tie``)."""
-        if self._groups is None:
-            return {}
-        first = {}
-        for k, g in enumerate(self._groups):
-            if g is not None:
-                first.setdefault(g, k)
-        return {k: first[g] for k, g in enumerate(self._groups)
-                if g is not None and first[g] != k}
+        """``{k: k0}`` for every layer ``k`` tied as a whole step (``tie`` path ``""``) that
+        is not its group's first layer ``k0`` (global; empty without such ties)."""
+        return {k: k0 for k, path, k0 in self.tied_entries() if path == ""}
+
+    def tied_entries(self) -> list:
+        """``[(k, path, k0)]``: every layer ``k`` of a tie group (``path``: ``""`` for the
+        whole step, else the tied parameter's name) that is not the group's first layer
+        ``k0`` (global, local: no communication; empty without ``tie``)."""
+        ties = self._groups
+        if ties is None:
+            return []
+        return sorted((k, path, ties.first[g]) for k in range(len(ties.layers))
+                      for path, g in ties.layers[k] if ties.first[g] != k)
 
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective).
@@ -56,23 +62,32 @@ class GlobalView:
         if parts is None:
             return None
         state = {k: v for p in parts for k, v in p.items()}
-        for k, k0 in self.tied_sources().items():
-            for key in [x for x in state if x.startswith(f"{k}.")]:
-                state[key] = state[f"{k0}.{key[len(str(k)) + 1:]}"]
+        for key, src in self._tied_keys(state).items():
+            state[key] = state[src]
         return state
+
+    def _tied_keys(self, state: dict) -> dict:
+        """``{key: key0}`` for the keys of ``state`` a tie group's first layer holds."""
+        out = {}
+        for k, path, k0 in self.tied_entries():
+            if path:
+                out[f"{k}.{path}"] = f"{k0}.{path}"
+            else:
+                out.update({x: f"{k0}.{x[len(str(k)) + 1:]}" for x in state
+                            if x.startswith(f"{k}.")})
+        return out
 
     def load_global_state_dict(self, state: dict | None, root: int = 0) -> None:
         """Inverse of :meth:`gather_state_dict`: ``state`` on ``root`` is scattered and each
         rank loads its layers (collective). Raises KeyError naming a missing layer; ValueError
         (every rank) when weight-tied layers get different values."""
         state = self.comm.bcast(state, root=root)
-        for k, k0 in self.tied_sources().items():  # the same verdict on every rank
-            for name in [x[len(str(k)) + 1:] for x in state if x.startswith(f"{k}.")]:
-                a, b = state[f"{k}.{name}"], state.get(f"{k0}.{name}")
-                if b is not None and a is not b and not torch.equal(a, b):
-                    raise ValueError(f"state entry '{k}.{name}' differs from '{k0}.{name}', but "
-                                     f"layers {k} and {k0} are weight-tied (one module): give "
-                                     f"every layer of a tie group the same values")
+        for key, src in self._tied_keys(state).items():  # the same verdict on every rank
+            a, b = state.get(key), state.get(src)
+            if a is not None and b is not None and a is not b and not torch.equal(a, b):
+                raise ValueError(f"state entry {key!r} differs from {src!r}, but the two are "
+                                 f"weight-tied (one module or parameter): give every layer of "
+                                 f"a tie group the same values")
         for j, s in enumerate(self.steps):
             k, s = self.first + j, plain_module(s)
             mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}

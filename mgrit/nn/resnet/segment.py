@@ -42,7 +42,7 @@ and the solver accessors (:mod:`mgrit.nn.resnet.controls`).
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 from mpi4py import MPI
@@ -53,7 +53,7 @@ from ...comm import raise_agreed
 from ...grid import Partition
 from ...options import MGRITOptions
 from ...solver import MGRIT
-from ..chains.compiled import compile_neutral_keys
+from ..chains.compiled import _plain_key, compile_neutral_keys
 from ..chains.contract import Fingerprint
 from ..chains.propagators import ForwardChain
 from ..chains.transforms import compile_disabled, transform_error
@@ -64,7 +64,7 @@ from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
 from .structure import StepStructure
-from .tied import tie_groups
+from .tiespec import tie_groups
 
 __all__ = ["LayerParallelResNet"]
 
@@ -115,6 +115,12 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             the serial gradient on every rank, with no extra call. ValueError (every rank):
             sharing that ``tie`` does not declare, a group whose layers use different
             parameters, replicas of different shapes or dtypes.
+            One parameter of the step (a time-invariant weight, a bias per layer): a dict
+            ``{parameter path: function or sequence of keys}``, e.g.
+            ``tie={"lin.weight": lambda k: 0}`` (paths are keys of
+            ``step.named_parameters()``; ``""``: the whole step, so both forms mix where
+            they do not cover one parameter of a layer); the same guarantees per tied
+            parameter. ValueError also for a path that names no parameter.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -144,7 +150,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  adjoint: str = "mgrit", warm_start: bool | None = None,
                  partition: Partition | None = None, warm_start_adjoint: bool = False,
-                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None):
+                 tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -214,7 +220,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,
               state_shape: Sequence[int], comm: MPI.Comm | None = None, seed: int = 0,
-              tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None,
+              tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None,
               **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
         weights do not depend on the number of ranks) and wrap them. The caller's RNG states
@@ -223,8 +229,11 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
 
         ``tie`` (see the class): a group's module is made once per rank, by
         ``make_step(k0)`` seeded with ``layer_seed(seed, k0)`` (``k0``: the group's first
-        layer), and used for all its layers there; :func:`serial_resnet` with the same
-        ``tie`` builds the same weights. ``make_step`` may also return one module made
+        layer), and used for all its layers there; a tied parameter (``tie={"lin.weight":
+        ...}``) is the one of the group's first layer on this rank, put into the other
+        layers' steps in place of theirs (the replicas then take the values of
+        ``make_step(k0)``'s); :func:`serial_resnet` with the same ``tie`` builds the same
+        weights. ``make_step`` may also return one module made
         elsewhere (``lambda k: shared``); the replicas then get the values of the rank
         holding ``k0``.
 
@@ -241,8 +250,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         except ValueError as exc:
             raise_agreed(comm, str(exc))
         steps, foreign = make_layers(make_step, range(a, min(b, n_layers)), seed, groups)
-        if groups is not None:  # a tied layer's parameters are the group's: never foreign
-            foreign = [(k, n) for k, n in foreign if groups[k] is None]
+        if groups is not None:  # a tied parameter is the group's: never foreign
+            foreign = [(k, n) for k, n in foreign if groups.group_of(k, _plain_key(n)) is None]
         if comm.Get_size() > 1:
             raise_agreed(comm, None if not foreign else (
                 f"parameter {foreign[0][1]!r} of layer {foreign[0][0]} was not created by "

@@ -56,7 +56,9 @@ class StepStructure:
                                 f"parameters shared between layers are supported on one layer "
                                 f"rank only, unless declared with tie=... (with P = "
                                 f"{self.comm.Get_size()} every rank holds a copy, which tie "
-                                f"keeps identical); declare it with tie, give each layer its "
+                                f"keeps identical); declare it with tie (tie={{"
+                                f"{first_name!r}: lambda k: 0}} for this parameter, or a "
+                                f"function for whole step modules), give each layer its "
                                 f"own parameters or use P = 1")
         return None
 
@@ -117,6 +119,9 @@ class StepStructure:
         self._collect_parameters()
         if self._tied is not None and self._params:
             self._tied.rebind(self.steps, self._params[0].dtype, self._params[0].device)
+            # a tied parameter replaced on some layers only (the tie is broken): the next
+            # forward is refused on every rank (agreed with _transform_error's message)
+            self._tie_error = self._tied.structure_error(self.steps)
         self._chain.rebuild(self.steps)
         self._fingerprint.take(training=self._reads_training())
 
@@ -135,6 +140,11 @@ class StepStructure:
     def _transform_error(self, x0) -> str | None:
         """This rank's refusal of the forward (:mod:`mgrit.nn.chains.transforms`; not agreed)."""
         error = transform_error("LayerParallelResNet", itertools.chain((x0,), self._params))
+        tie_error = getattr(self, "_tie_error", None)
+        if error is None and tie_error:
+            error = (f"{tie_error} (a parameter of a tie group was replaced on some of its "
+                     f"layers since construction; replace it on every layer of the group, "
+                     f"then call refresh_structure())")
         if error is None and self._substituted and self._tied is not None and self._tied.size:
             error = ("torch.func.functional_call with weight-tied layers (tie=...) is not "
                      "supported: the replicas of a tie group on other ranks would not see the "

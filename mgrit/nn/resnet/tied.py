@@ -1,17 +1,21 @@
 """Weight-tied layers of a :class:`~mgrit.nn.resnet.LayerParallelResNet`, also across ranks.
 
-A *tie group* is a set of layers that use one step module (a time-invariant neural ODE: every
-layer; ALBERT: one transformer block for the whole stack; or blocks of consecutive layers).
-The groups are declared with ``tie`` (:func:`tie_groups`), a map from the **global** layer
-index to a group key, because object identity cannot be seen across processes: with
+A *tie group* is a set of layers that share parameters: one whole step module (a
+time-invariant neural ODE: every layer; ALBERT: one transformer block for the whole stack; or
+blocks of consecutive layers), or one parameter of the step (``tie={"lin.weight": lambda k:
+0}``: ``F_k(x) = tanh(W x + b_k)``, a shared weight and a bias per layer). The groups are
+declared with ``tie`` (:func:`~mgrit.nn.resnet.tiespec.tie_groups`), a map from the **global**
+layer index to a group key, because object identity cannot be seen across processes: with
 ``make_step = lambda k: blocks[k // 4]`` on two ranks, rank 0 may see only ``blocks[0]`` and
 rank 1 only ``blocks[1]``, and nothing in either process says whether they are one module.
 
 Contract (checked at construction and by ``refresh_structure``, the same ``ValueError`` on
-every rank): the layers of one group on a rank have the same parameter objects, in the same
-``named_parameters`` order (the same module, as :meth:`LayerParallelResNet.build` makes them);
-no parameter is shared between layers of different groups or with an untied layer; the
-holders of a group agree on its parameter names, shapes and dtypes (one ``allgather``).
+every rank): each tie path names a parameter of the step (``""``: the whole step); the layers
+of one group on a rank have the same parameter objects under the group's names, in the same
+``named_parameters`` order (the same module, or the same ``Parameter``, as
+:meth:`LayerParallelResNet.build` makes them); no parameter is shared between layers of
+different groups, under different names, or with an untied layer; the holders of a group
+agree on its parameter names, shapes and dtypes (one ``allgather``).
 
 What the library then does, per group that spans more than one rank (a group held by one
 rank needs nothing: autograd sums the layers' contributions as in serial PyTorch):
@@ -29,16 +33,17 @@ rank needs nothing: autograd sums the layers' contributions as in serial PyTorch
   gradient on every holder, in a plain loop as in the ``Trainer``: no extra call, and equal
   optimizer steps keep the replicas identical (the reduced buffer is the same on every rank).
   On the MGRIT path this happens in :func:`mgrit.nn.resnet.bridge.node_backward` (per-parameter
-  gradients, or the stacked gradients of the batched path, where the group's total goes to
-  the group's first local row and zeros to its other rows, so that ``torch.stack``'s backward
-  sums it once); on the one-level pipelined path in :class:`TiedSync`, an autograd node
-  created before the rank's first layer, so it runs after the rank's last layer gradient and
-  after the state gradient went to the previous rank (no rank waits in the ``Allreduce`` for
-  a message that would come after it).
+  gradients, or the stacked gradients of the batched path -- a shared parameter is stacked
+  once per layer, one row each -- where the group's total goes to the group's first local
+  row and zeros to its other rows, so that ``torch.stack``'s backward sums it once); on the
+  one-level pipelined path in :class:`TiedSync`, an autograd node created before the rank's
+  first layer, so it runs after the rank's last layer gradient and after the state gradient
+  went to the previous rank (no rank waits in the ``Allreduce`` for a message that would come
+  after it).
 * **Checkpoints.** Keys stay those of ``to_serial().state_dict()`` (every layer's entries, as
-  serial PyTorch lists a module used several times); a gathered state dict maps all layers
-  of a group to one tensor object, so a saved file holds one copy, and it loads on any rank
-  count.
+  serial PyTorch lists a module or parameter used several times); a gathered state dict maps
+  all layers of a group to one tensor object, so a saved file holds one copy, and it loads on
+  any rank count.
 
 Cost: one ``Allreduce`` per backward of ``sum(group parameter sizes)`` values over the layer
 communicator, whichever ranks hold the groups (a rank holding none sends zeros).
@@ -46,63 +51,55 @@ communicator, whichever ranks hold the groups (a rank holding none sends zeros).
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 from mpi4py import MPI
+
+from ..chains.compiled import plain_module
+from .tiespec import covers, tie_groups
 
 __all__ = ["tie_groups", "TiedLayers", "TiedSync"]
 
 _MPI = {torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT}
 
 
-def tie_groups(tie, n_layers: int) -> list | None:
-    """Normalize ``tie`` to a list of ``n_layers`` group numbers (``0, 1, ...`` in the order of
-    each group's first layer; ``None``: an untied layer). ``tie``: ``None`` (no ties), a
-    callable ``k -> key`` or a sequence of ``n_layers`` keys; keys are hashable, ``None``
-    means untied, and a key used by one layer only is an untied layer.
+def _plain_name(name: str) -> str:
+    """A parameter name without ``torch.compile``'s ``_orig_mod.`` segments."""
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
-    Raises:
-        ValueError: a sequence of the wrong length, an unhashable key, a callable that raises.
-    """
-    if tie is None:
-        return None
-    if callable(tie):
-        try:
-            keys = [tie(k) for k in range(n_layers)]
-        except Exception as exc:  # noqa: BLE001  (named in the message)
-            raise ValueError(f"tie(k) raised {type(exc).__name__}: {exc}; use a function of "
-                             f"the global layer index k = 0..N-1 returning a group key or "
-                             f"None") from exc
-    elif isinstance(tie, (str, bytes)) or not isinstance(tie, Sequence):
-        raise ValueError(f"tie={tie!r} is not allowed: use None, a function k -> group key, or "
-                         f"a sequence of N = {n_layers} group keys (None: untied)")
-    else:
-        keys = list(tie)
-        if len(keys) != n_layers:
-            raise ValueError(f"tie has {len(keys)} entries: use one group key per layer "
-                             f"(N = {n_layers})")
-    count: dict = {}
-    for k, key in enumerate(keys):
-        if not isinstance(key, Hashable):
-            raise ValueError(f"tie key {key!r} of layer {k} is not hashable: use ints or strings")
-        if key is not None:
-            count[key] = count.get(key, 0) + 1
-    number: dict = {}
-    groups = []
-    for key in keys:
-        if key is None or count[key] < 2:
-            groups.append(None)
+
+def _path_words(path: str) -> str:
+    return "" if path == "" else f" (tie[{path!r}])"
+
+
+def _path_error(paths, named, step, k: int) -> str | None:
+    """The message when a tie path of layer ``k`` names no parameter of its step (``named``:
+    the step's ``named_parameters()``), else ``None``."""
+    have = {n for n, _ in named}
+    for path in paths:
+        if path == "" or path in have:
+            continue
+        alias = dict(step.named_parameters(remove_duplicate=False))
+        if path in alias:
+            other = next(n for n, p in named if p is alias[path])
+            what = f"the same Parameter as {other!r} (listed under that name): name {other!r}"
+        elif path in dict(step.named_modules()):
+            what = ("a submodule, not a parameter: name each of its parameters (e.g. "
+                    f"{path + '.weight'!r}), or use '' for the whole step")
         else:
-            groups.append(number.setdefault(key, len(number)))
-    return groups if number else None
+            what = (f"no parameter of layer {k}'s step ({type(step).__name__}, parameters "
+                    f"{sorted(have)[:8]})")
+        return f"tie path {path!r} names {what}"
+    return None
 
 
 class TiedLayers:
     """The tie groups of one segment as seen by one rank (see the module docstring).
 
     Args:
-        groups: :func:`tie_groups` of the segment (global, the same on every rank).
+        ties: :func:`~mgrit.nn.resnet.tiespec.tie_groups` of the segment (global, the same on
+            every rank).
         steps: this rank's step modules (layer ``first + j`` is ``steps[j]``).
         first: global index of ``steps[0]``.
         partition: the segment's :class:`~mgrit.grid.Partition`; comm: its layer communicator.
@@ -110,69 +107,81 @@ class TiedLayers:
     Attributes:
         spanning: the groups held by more than one rank (global numbers, ascending).
         rows: ``{group: [local row, ...]}`` for the groups this rank holds.
-        params: ``{group: [Parameter, ...]}`` (``named_parameters`` order) for held groups.
+        names, params: ``{group: [name, ...]}`` / ``{group: [Parameter, ...]}``
+            (``named_parameters`` order of the step) of the parameters each held group ties.
     """
 
-    def __init__(self, groups: list, steps, first: int, partition, comm: MPI.Comm):
-        self.groups, self.comm, self.first = list(groups), comm, int(first)
-        self.first_layer = {}
-        holders: dict = {}
-        for k, g in enumerate(self.groups):
-            if g is not None:
-                self.first_layer.setdefault(g, k)
-                holders.setdefault(g, set()).add(partition.owner(k))
+    def __init__(self, ties, steps, first: int, partition, comm: MPI.Comm):
+        self.ties, self.comm, self.first = ties, comm, int(first)
+        self.first_layer = dict(enumerate(ties.first))
+        holders = {g: {partition.owner(k) for k in ks} for g, ks in enumerate(ties.members)}
         self.root = {g: partition.owner(k) for g, k in self.first_layer.items()}
         self.spanning = sorted(g for g, h in holders.items() if len(h) > 1)
         self.rows: dict = {}
         self.n_local = len(steps)
         for j in range(len(steps)):
-            g = self.groups[self.first + j]
-            if g is not None:
+            for _, g in ties.layers[self.first + j]:
                 self.rows.setdefault(g, []).append(j)
-        self._steps = steps
-        self.params = {g: [p for _, p in steps[r[0]].named_parameters()]
-                       for g, r in self.rows.items()}
+        self._bind(steps)
         self.slots: list = []  # (group, index in params[group], offset, numel) in the buffer
         self.size = 0
         self.dtype, self.device = None, torch.device("cpu")
 
+    def _bind(self, steps) -> None:
+        self._steps = steps
+        self.names, self.params = {}, {}
+        for g, r in self.rows.items():
+            path = self.ties.paths[g]
+            named = [(n, p) for n, p in plain_module(steps[r[0]]).named_parameters()
+                     if covers(path, n)]
+            self.names[g] = [n for n, _ in named]
+            self.params[g] = [p for _, p in named]
+
     def rebind(self, steps, dtype: torch.dtype, device) -> None:
         """Re-read the parameters after ``.to()``/``.double()`` replaced them (local; the
         layout's sizes are unchanged)."""
-        self._steps = steps
-        self.params = {g: [p for _, p in steps[r[0]].named_parameters()]
-                       for g, r in self.rows.items()}
+        self._bind(steps)
         self.dtype, self.device = dtype, torch.device(device)
 
     # -- checks --------------------------------------------------------------------------
     def structure_error(self, steps) -> str | None:
         """This rank's violation of the contract (a message) or ``None`` (local)."""
         owner = {}
+        ties = self.ties
         for j, s in enumerate(steps):
-            k, g = self.first + j, self.groups[self.first + j]
-            mine = [id(p) for _, p in s.named_parameters()]
-            if g is not None:
-                j0 = self.rows[g][0]
+            k = self.first + j
+            named = list(plain_module(s).named_parameters())
+            error = _path_error(ties.named[k], named, plain_module(s), k)
+            if error:
+                return error
+            for path, g in ties.layers[k]:
+                mine = [id(p) for n, p in named if covers(path, n)]
                 if mine != [id(p) for p in self.params[g]]:
-                    return (f"tie puts layers {self.first + j0} and {k} in one group, but they do "
-                            f"not use the same parameters: make_step must return the same module "
-                            f"for every layer of a group (LayerParallelResNet.build(..., tie=...) "
+                    k0 = self.first + self.rows[g][0]
+                    if path == "":
+                        return (f"tie puts layers {k0} and {k} in one group, but they do not use "
+                                f"the same parameters: make_step must return the same module "
+                                f"for every layer of a group (LayerParallelResNet.build(..., "
+                                f"tie=...) does this), or drop the tie")
+                    return (f"tie[{path!r}] puts layers {k0} and {k} in one group, but their "
+                            f"{path!r} are different Parameter objects: give the layers of a "
+                            f"group one Parameter (LayerParallelResNet.build(..., tie=...) "
                             f"does this), or drop the tie")
-            for name, p in s.named_parameters():
-                j2, name2 = owner.setdefault(id(p), (j, name))
-                g2 = self.groups[self.first + j2]
-                if j2 != j and (g is None or g2 != g):
+            for name, p in named:
+                g = ties.group_of(k, name)
+                j2, name2, g2 = owner.setdefault(id(p), (j, name, g))
+                if j2 != j and (g is None or g2 != g or name2 != name):
                     return (f"layers {self.first + j2} and {k} share the parameter {name2!r} "
                             f"but tie does not put them in one group: declare every sharing with "
-                            f"tie (one group per shared module) or give each layer its own "
-                            f"parameters")
+                            f"tie (one group per shared module, or tie={{'{name}': ...}} for "
+                            f"one parameter) or give each layer its own parameters")
         return None
 
     def setup(self) -> None:
         """Agree on the spanning groups' parameter layout (one ``allgather``) and make the
         replicas identical (one ``Allreduce``). Collective; ``ValueError`` on every rank."""
         mine = {g: [(n, tuple(p.shape), str(p.dtype)) for n, p in
-                    self._steps[self.rows[g][0]].named_parameters()]
+                    zip(self.names[g], self.params[g])]
                 for g in self.spanning if g in self.params}
         error = None
         dts = {p.dtype for g in mine for p in self.params[g]}
@@ -187,10 +196,12 @@ class TiedLayers:
         for r, (part, _) in enumerate(layouts):
             for g, sig in part.items():
                 if layout.setdefault(g, (r, sig))[1] != sig:
-                    raise ValueError(f"tie group of layer {self.first_layer[g]}: ranks "
+                    raise ValueError(f"tie group of layer {self.first_layer[g]}"
+                                     f"{_path_words(self.ties.paths[g])}: ranks "
                                      f"{layout[g][0]} and {r} hold different parameters "
                                      f"({layout[g][1]} vs {sig}): every rank must build the same "
-                                     f"module for a group")
+                                     f"{'module' if self.ties.paths[g] == '' else 'parameter'} "
+                                     f"for a group (names, shapes and dtypes)")
         dtypes = {d for _, sig in layout.values() for _, _, d in sig}
         if len(dtypes) > 1:
             raise ValueError(f"tied parameters have dtypes {sorted(dtypes)} on different ranks: "
@@ -275,30 +286,32 @@ class TiedLayers:
                 p = self.params[g][i]
                 grads[index[id(p)]] = flat[off:off + n].view_as(p)
 
-    def reduce_stacked_grads(self, grads: list) -> list:
-        """Stacked gradients (one ``(n_local, *shape)`` per parameter name of the template,
-        ``None``: none) with each spanning group's rows summed over the layer ranks: the total
-        in the group's first local row, zeros in its other rows (``torch.stack``'s backward
-        then sums them into the parameter once). Returns the new list. Collective."""
+    def reduce_stacked_grads(self, grads: list, names: Sequence[str]) -> list:
+        """Stacked gradients (one ``(n_local, *shape)`` per parameter name ``names`` of the
+        template, ``None``: none) with each spanning group's rows summed over the layer ranks:
+        the total in the group's first local row, zeros in its other rows (``torch.stack``'s
+        backward then sums them into the parameter once). Returns the new list. Collective."""
         if not self.size:
             return grads
-        # the stacked names are the template's named_parameters: index i of a group's params
+        pos = {_plain_name(n): i for i, n in enumerate(names)}
         flat = self._buffer()
         with torch.no_grad():
             for g, i, off, n in self.slots:
-                if g in self.params and grads[i] is not None:
-                    flat[off:off + n].copy_(grads[i][self.rows[g]].sum(0).reshape(-1))
+                if g in self.params:
+                    gr = grads[pos[self.names[g][i]]]
+                    if gr is not None:
+                        flat[off:off + n].copy_(gr[self.rows[g]].sum(0).reshape(-1))
             self._allreduce(flat)
             out = [None if gr is None else gr.clone() for gr in grads]
             for g, i, off, n in self.slots:
                 if g in self.params:
-                    p, rows = self.params[g][i], self.rows[g]
-                    if out[i] is None:
-                        out[i] = torch.zeros((self.n_local, *p.shape), dtype=p.dtype,
+                    p, rows, s = self.params[g][i], self.rows[g], pos[self.names[g][i]]
+                    if out[s] is None:
+                        out[s] = torch.zeros((self.n_local, *p.shape), dtype=p.dtype,
                                              device=p.device)
-                    out[i][rows[0]] = flat[off:off + n].view_as(p)
+                    out[s][rows[0]] = flat[off:off + n].view_as(p)
                     if len(rows) > 1:
-                        out[i][rows[1:]] = 0
+                        out[s][rows[1:]] = 0
         return out
 
     # -- the one-level path -------------------------------------------------------------------
@@ -307,20 +320,13 @@ class TiedLayers:
         return [self.params[g][i] for g, i, _, _ in self.slots if g in self.params]
 
     def substitutions(self, aliases: Sequence[torch.Tensor], steps) -> list:
-        """Per local layer: ``{name: alias}`` for a layer of a spanning group (the outputs of
-        :class:`TiedSync`, in :meth:`local_parameters` order), else ``None``."""
-        by_group: dict = {}
-        it = iter(aliases)
-        for g, i, _, _ in self.slots:
-            if g in self.params:
-                by_group.setdefault(g, []).append(next(it))
+        """Per local layer: ``{name: alias}`` for its parameters of spanning groups (the
+        outputs of :class:`TiedSync`, in :meth:`local_parameters` order), else ``None``."""
+        alias = {id(p): a for p, a in zip(self.local_parameters(), aliases)}
         subs = []
-        for j, s in enumerate(steps):
-            g = self.groups[self.first + j]
-            if g in by_group:
-                subs.append({n: a for (n, _), a in zip(s.named_parameters(), by_group[g])})
-            else:
-                subs.append(None)
+        for s in steps:
+            mine = {n: alias[id(p)] for n, p in s.named_parameters() if id(p) in alias}
+            subs.append(mine or None)
         return subs
 
 
