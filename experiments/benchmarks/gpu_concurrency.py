@@ -86,10 +86,10 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _models(n, width, m, dev, seed=0):
+def _models(n, width, m, dev, seed=0, levels=2):
     torch.manual_seed(seed)
-    fwd = MGRITOptions(max_levels=2, cfactor=m, relax="F", tol=0, max_iter=2)
-    bwd = MGRITOptions(max_levels=2, cfactor=m, relax="F", tol=0, max_iter=1)
+    fwd = MGRITOptions(max_levels=levels, cfactor=m, relax="F", tol=0, max_iter=2)
+    bwd = MGRITOptions(max_levels=levels, cfactor=m, relax="F", tol=0, max_iter=1)
     lp = LayerParallelResNet.build(lambda k: make_step("dense", width, "tanh"), n, (width,),
                                    forward=fwd, backward=bwd, warm_start=False, seed=seed)
     ser = lp.to_serial()
