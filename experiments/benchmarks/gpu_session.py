@@ -46,6 +46,8 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
 
 import torch  # noqa: E402
 
+from mgrit.reporting import writers  # noqa: E402
+
 TOL64 = 1e-10
 #: float32 runs: eps32 (1.2e-7) x 32 layers x 8 SGD steps ~ 3e-5 of accumulated round-off, with margin
 TOL32 = 1e-4
@@ -68,6 +70,16 @@ def _sh(cmd, timeout=30):
 
 def mpiexec_path():
     return os.environ.get("LAYERPAR_MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+
+
+def provenance(dev):
+    """The results' provenance (:func:`mgrit.reporting.writers.run_metadata`), the commit from
+    ``$LAYERPAR_COMMIT`` where the tree is a copy without git, the device in ``machine``."""
+    meta = writers.run_metadata()
+    meta["commit"] = os.environ.get("LAYERPAR_COMMIT") or meta["commit"]
+    if dev.type == "cuda":
+        meta["machine"] += f", {torch.cuda.get_device_name(dev)}"
+    return meta
 
 
 def env_section(dev):
@@ -271,14 +283,17 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    res = {"sections": {}, "errors": {}}
+    cuda_missing = dev.type == "cuda" and not torch.cuda.is_available()
+    meta = provenance(torch.device("cpu") if cuda_missing else dev)
+    res = {"meta": dict(meta), "sections": {}, "errors": {}}
     path = out / "gpu_session.json"
 
     def save():
         res["wall_s"] = time.time() - t_start
+        res["meta"] = writers.finish_metadata(meta)  # loadavg_after: now
         path.write_text(json.dumps(res, indent=1, default=str))
 
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if cuda_missing:
         res["errors"]["cuda"] = f"--device cuda but torch.cuda.is_available() is False (torch {torch.__version__})"
         save()
         print("FAIL: " + res["errors"]["cuda"], file=sys.stderr)

@@ -29,6 +29,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from experiments.benchmarks.gpu_concurrency import LR, _graph, _models, _rel, _train, timeit  # noqa: E402
+from experiments.benchmarks.gpu_session import provenance  # noqa: E402
+from mgrit.reporting import writers  # noqa: E402
 
 SWEEP = [(2, 16), (2, 32), (2, 64), (2, 128), (3, 8), (3, 16)]
 
@@ -63,7 +65,8 @@ def main(argv=None):
         return 2
     quick = dev.type == "cpu"
     t0 = time.time()
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+    meta = provenance(dev)
+    res = {"meta": meta, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +97,7 @@ def main(argv=None):
         res["sync_site"] = sync_site(1024, 8, 32, dev)
         print(json.dumps(res["sync_site"], indent=1))
     res["wall_s"] = time.time() - t0
+    res["meta"] = writers.finish_metadata(meta)
     (out / "gpu_sweep.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'gpu_sweep.json'} in {res['wall_s']:.0f} s")
     return 0
