@@ -63,6 +63,7 @@ from .controls import SolverControls
 from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
+from .stacked_leaves import StackedLeaves, stacking_error
 from .structure import StepStructure
 from .tied import tie_groups
 
@@ -115,6 +116,14 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             the serial gradient on every rank, with no extra call. ValueError (every rank):
             sharing that ``tie`` does not declare, a group whose layers use different
             parameters, replicas of different shapes or dtypes.
+        stacked_parameters: hold this rank's parameters as one leaf per name,
+            ``(n_local, *shape)``, registered as ``stacked.<name>`` (default False;
+            :mod:`mgrit.nn.resnet.stacked_leaves`): the backward hands one gradient per name
+            to autograd and optimizers update a few stacked tensors. ``parameters()`` yields
+            the stacked leaves; a step's parameter is a view of its row; ``state_dict()`` is
+            the unstacked model's. ValueError (every rank) with ``tie``, ``adjoint="serial"``,
+            unbatched or one-level solves, fewer than two layers per rank, layers that cannot
+            be batched, shared or unlike parameters.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -144,7 +153,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  adjoint: str = "mgrit", warm_start: bool | None = None,
                  partition: Partition | None = None, warm_start_adjoint: bool = False,
-                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None):
+                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None,
+                 stacked_parameters: bool = False):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -196,7 +206,16 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self.dtype = p.dtype if p is not None else torch.get_default_dtype()
         self.device = p.device if p is not None else torch.device("cpu")
         self.is_first, self.is_last = a == 0, min(b, n_layers) == n_layers
+        self._leaves = None
+        if stacked_parameters:
+            self._install_leaves(tie)
         self._chain = ForwardChain(self.steps, a, self.h, batched=self.fwd_opts.batched)
+        if self._leaves is not None:
+            self._chain.leaves = self._leaves
+            self._chain.rebuild()
+            raise_agreed(self.comm, None if self._chain.batched else
+                         f"stacked_parameters=True needs batched layers: "
+                         f"{self._chain.batching_obstacle}")
         kw = dict(dtype=self.dtype, device=self.device, comm=self.comm)
         self._fsolver = MGRIT(self._chain, n_layers, options=self.fwd_opts,
                               partition=self.partition, **kw)
@@ -210,6 +229,25 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         # checked on every forward (contract.py)
         self._fingerprint = Fingerprint(self.steps, training=self._reads_training())
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
+
+    def _install_leaves(self, tie) -> None:
+        """``stacked_parameters=True``: the checks (agreed), then the stacked leaves and the
+        state-dict hooks that keep the unstacked model's keys."""
+        o = self.fwd_opts, self.bwd_opts
+        error = ("stacked_parameters=True with tie=... is not supported" if tie is not None else
+                 "stacked_parameters=True needs adjoint='mgrit'" if self.adjoint != "mgrit" else
+                 "stacked_parameters=True needs batched solves (MGRITOptions(batched=True))"
+                 if not (o[0].batched and o[1].batched) else
+                 "stacked_parameters=True needs multilevel solves (max_levels >= 2)"
+                 if o[1].max_levels < 2 or o[0].max_levels < 2 else
+                 stacking_error(self.steps, self.first))
+        raise_agreed(self.comm, error)
+        self._leaves = StackedLeaves(self.steps, self.first)
+        self.stacked = self._leaves.holder
+        self._register_state_dict_hook(self._leaves.state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._leaves.load_pre_hook, with_module=True)
+        self.register_load_state_dict_post_hook(self._leaves.load_post_hook)
+        self._collect_parameters()
 
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,
