@@ -40,6 +40,7 @@ gathered state dict loads into the serial network as it is. For ``(opening, resn
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from typing import Any, Callable, Iterator
@@ -310,26 +311,40 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
 
     def named_global_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(global key, parameter)`` for this rank's parameters (local, no communication);
-        keys as ``to_serial().named_parameters()``."""
+        keys as ``to_serial().named_parameters()``. Segments built with
+        ``stacked_parameters=True`` have no per-layer parameters: their leaves are the
+        segment's ``stacked.*`` (``named_parameters()``)."""
         for name, m in self.named_global_modules():
             for n, p in m.named_parameters():
                 yield f"{name}.{n}", p
 
     def _local_state(self) -> dict:
-        return {f"{name}.{n}": t for name, m in self.named_global_modules()
-                for n, t in m.state_dict().items()}
+        with self._materialized():
+            return {f"{name}.{n}": t for name, m in self.named_global_modules()
+                    for n, t in m.state_dict().items()}
+
+    def _materialized(self) -> contextlib.ExitStack:
+        """Steps of ``stacked_parameters=True`` segments with ordinary parameters (aliases of
+        the stacked leaves' rows) inside; other segments unchanged."""
+        stack = contextlib.ExitStack()
+        for part in self._parts:
+            if part.is_segment and hasattr(part.module, "_materialized"):
+                stack.enter_context(part.module._materialized())
+        return stack
 
     def to_serial(self) -> nn.Sequential:
         """The equivalent plain ``nn.Sequential`` (ordinary modules and
         ``ResidualStep(step, h)`` layers in order) with copies of the current weights, on every
         rank (collective: one ``allgather``)."""
-        mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
-        pieces = self.comm.allgather(mine)
-        layers = dict(item for piece in pieces for item in piece)
-        for key, key0 in self.tied_prefixes().items():  # one module per tie group
-            i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
-            layers[i] = ResidualStep(layers[i0].F, layers[i].h)
-        out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
+        with self._materialized():
+            mine = [(i, m if h is None else ResidualStep(m, h))
+                    for i, m, h in self._local_modules()]
+            pieces = self.comm.allgather(mine)
+            layers = dict(item for piece in pieces for item in piece)
+            for key, key0 in self.tied_prefixes().items():  # one module per tie group
+                i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
+                layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+            out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
         for part in self._parts:  # Dropout/DropPath: each segment's layers draw its masks
             if part.is_segment:
                 seed_serial(out[part.offset:part.offset + part.module.n_layers])
@@ -396,5 +411,6 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         if error:
             raise (KeyError if error[0] == "key" else ValueError)(error[1])
         mine = self.comm.scatter(payloads, root=root)
-        for name, m in self.named_global_modules():
-            m.load_state_dict({n: mine[f"{name}.{n}"] for n in m.state_dict()})
+        with self._materialized():  # stacked leaves: loaded through aliases of their rows
+            for name, m in self.named_global_modules():
+                m.load_state_dict({n: mine[f"{name}.{n}"] for n in m.state_dict()})
