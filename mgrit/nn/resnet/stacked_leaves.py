@@ -121,8 +121,13 @@ class StackedLeaves:
         (nothing once :attr:`error` is set: the refusal stays)."""
         if self.error is not None:
             return
-        self._leaves = [self.leaf(n) for n in self.names]
-        self._flags = [(w.requires_grad, w.data_ptr()) for w in self._leaves]
+        leaves = [self.leaf(n) for n in self.names]
+        flags = [(w.requires_grad, w.data_ptr()) for w in leaves]
+        old = getattr(self, "_leaves", None)
+        # new leaves: the owner's next check rebuilds what it derived from the old ones
+        self._changed = old is not None and (flags != self._flags or not all(
+            map(operator.is_, leaves, old)))
+        self._leaves, self._flags = leaves, flags
         self._dicts, self._keys, self._views = [], [], []
         for n, w in zip(self.names, self._leaves):
             for j, (m, leaf) in enumerate(self._sites[n]):
@@ -167,8 +172,8 @@ class StackedLeaves:
         if not all(map(operator.is_, leaves, self._leaves)) or \
                 [(w.requires_grad, w.data_ptr()) for w in leaves] != self._flags:
             self.install()
-            return True
-        return False
+        changed, self._changed = self._changed, False
+        return changed
 
     def _index(self, n: str, j: int) -> int:
         return self.names.index(n) * len(self._sites[n]) + j
@@ -181,10 +186,13 @@ class StackedLeaves:
     def materialized(self):
         """Inside, every step holds ordinary ``Parameter`` objects sharing the leaves' memory
         (for copies and per-step state dicts: ``to_serial``, the global state dict)."""
+        if self.error is not None:
+            raise ValueError(self.error)
+        self.install()  # the leaves now (a load with assign=True may have replaced them)
         with quiet():
             for n, w in zip(self.names, self._leaves):
                 for j, (m, leaf) in enumerate(self._sites[n]):
-                    del m.__dict__[leaf]
+                    m.__dict__.pop(leaf, None)
                     m._parameters[leaf] = nn.Parameter(w.detach()[j], w.requires_grad)
             try:
                 yield
@@ -200,7 +208,8 @@ class StackedLeaves:
         mine = [k for k in state if k.startswith(prefix)]
         saved = {k: state.pop(k) for k in mine}
         per_layer = {}
-        for n, w in zip(self.names, self._leaves):
+        for n in self.names:
+            w = self.leaf(n)  # the leaf now (not the views' leaf: assign=True replaces it)
             saved.pop(f"{prefix}stacked.{n}", None)
             rows = w.detach()
             for j in range(rows.shape[0]):
@@ -231,7 +240,8 @@ class StackedLeaves:
                       unexpected, errors):
         """Stack the per-layer keys of a state dict into ``stacked.*`` before loading."""
         self._missing = []
-        for n, w in zip(self.names, self._leaves):
+        for n in self.names:
+            w = self.leaf(n)
             keys = [f"{prefix}steps.{j}.{n}" for j in range(w.shape[0])]
             if f"{prefix}stacked.{n}" in state:
                 continue  # already stacked
