@@ -52,9 +52,8 @@ __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 RUNS = Path(__file__).resolve().parents[1] / "runs"
 
 #: The ``--optimizer`` choices: name -> ``(parameters, config) -> torch.optim.Optimizer``;
-#: multi-tensor (``foreach=True``: one kernel per group of tensors instead of a Python loop
-#: over them; PyTorch picks it by default on CUDA only), the same numbers as the per-tensor
-#: loop (``tests/nn/test_stacked_leaves.py``).
+#: ``foreach=True`` (multi-tensor kernels, PyTorch's default on CUDA only): the numbers of the
+#: per-tensor loop (``tests/nn/test_stacked_leaves.py``).
 OPTIMIZERS = {
     "sgd": lambda params, c: torch.optim.SGD(params, lr=c.lr, momentum=c.momentum,
                                              weight_decay=c.weight_decay, foreach=True),

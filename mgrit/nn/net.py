@@ -9,8 +9,8 @@ or a :class:`~mgrit.nn.resnet.LayerParallelResNet` *segment*, applied in order, 
   ``(embedding, buffer, buffer, segment, buffer, head)``.
 
 Every segment is its own MGRIT chain (forward solve, adjoint solve in backward) over the same
-layer communicator; gradients through the ordinary modules come from ordinary autograd. Every
-rank runs the adjoint solves in reverse forward order (docs page ``features/segments``).
+layer communicator; gradients through the ordinary modules come from ordinary autograd; the
+adjoint solves run in reverse forward order (docs page ``features/segments``).
 
 Where things live (layer ranks of the communicator the segments share):
 
@@ -25,8 +25,7 @@ Where things live (layer ranks of the communicator the segments share):
 
 Usage (every rank of the layer communicator)::
 
-    out = net(x)                        # same batch x on every rank (only its size is used
-                                        # away from the first layer rank)
+    out = net(x)                        # same batch x everywhere (elsewhere: only its size)
     net.loss(out, y).backward()         # real loss on the last layer rank, placeholder elsewhere
     optimizer.step()                    # over net.parameters(): this rank's parameters
 
@@ -40,7 +39,6 @@ gathered state dict loads into the serial network as it is. For ``(opening, resn
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 from typing import Any, Callable, Iterator
@@ -55,6 +53,7 @@ from ._p2p import join, recv, send, transfer_tag
 from .chains.compiled import compile_neutral_keys, plain_module
 from .chains.transforms import compile_disabled, transform_error
 from .protocol import LayerParallelNetMixin
+from .resnet.stacked_leaves import with_layer_parameters
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 from .steps.stochastic import seed_serial, share_stream
@@ -117,10 +116,10 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
 
     Attributes:
         segments: the segments (``nn.ModuleList``, every rank). ``stages``: the ordinary
-            modules this rank runs (``nn.ModuleDict`` keyed by part index). ``comm``: the
-            layer communicator. ``first_rank``/``last_rank``: ranks consuming the input /
-            holding the output. ``transfer_stats``: messages, bytes and wait time of the
-            transfers between segments (:class:`~mgrit.stats.SolverStats`).
+            modules this rank runs (``nn.ModuleDict`` keyed by part index). ``comm``: the layer
+            communicator. ``first_rank``/``last_rank``: ranks consuming the input / holding the
+            output. ``transfer_stats``: messages, bytes and wait time of the transfers between
+            segments (:class:`~mgrit.stats.SolverStats`).
         resnet, opening, closing: for a network with one segment and at most one ordinary
             module on either side (the classic ``(opening, resnet, closing)``): the segment and
             the modules (``None`` on ranks that do not run them); ``AttributeError`` otherwise.
@@ -311,40 +310,27 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
 
     def named_global_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(global key, parameter)`` for this rank's parameters (local, no communication);
-        keys as ``to_serial().named_parameters()``. Segments built with
-        ``stacked_parameters=True`` have no per-layer parameters: their leaves are the
-        segment's ``stacked.*`` (``named_parameters()``)."""
+        keys as ``to_serial().named_parameters()``."""
         for name, m in self.named_global_modules():
             for n, p in m.named_parameters():
                 yield f"{name}.{n}", p
 
+    @with_layer_parameters
     def _local_state(self) -> dict:
-        with self._materialized():
-            return {f"{name}.{n}": t for name, m in self.named_global_modules()
-                    for n, t in m.state_dict().items()}
+        return {f"{name}.{n}": t for name, m in self.named_global_modules()
+                for n, t in m.state_dict().items()}
 
-    def _materialized(self) -> contextlib.ExitStack:
-        """Steps of ``stacked_parameters=True`` segments with ordinary parameters (aliases of
-        the stacked leaves' rows) inside; other segments unchanged."""
-        stack = contextlib.ExitStack()
-        for part in self._parts:
-            if part.is_segment and hasattr(part.module, "_materialized"):
-                stack.enter_context(part.module._materialized())
-        return stack
-
+    @with_layer_parameters
     def to_serial(self) -> nn.Sequential:
-        """The equivalent plain ``nn.Sequential`` (ordinary modules and
-        ``ResidualStep(step, h)`` layers in order) with copies of the current weights, on every
-        rank (collective: one ``allgather``)."""
-        with self._materialized():
-            mine = [(i, m if h is None else ResidualStep(m, h))
-                    for i, m, h in self._local_modules()]
-            pieces = self.comm.allgather(mine)
-            layers = dict(item for piece in pieces for item in piece)
-            for key, key0 in self.tied_prefixes().items():  # one module per tie group
-                i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
-                layers[i] = ResidualStep(layers[i0].F, layers[i].h)
-            out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
+        """The equivalent plain ``nn.Sequential`` (ordinary modules and ``ResidualStep(step, h)``
+        layers in order), copies of the current weights, on every rank (one ``allgather``)."""
+        mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
+        pieces = self.comm.allgather(mine)
+        layers = dict(item for piece in pieces for item in piece)
+        for key, key0 in self.tied_prefixes().items():  # one module per tie group
+            i, i0 = int(key.split(".")[0]), int(key0.split(".")[0])
+            layers[i] = ResidualStep(layers[i0].F, layers[i].h)
+        out = nn.Sequential(*copy.deepcopy([layers[i] for i in range(len(layers))]))
         for part in self._parts:  # Dropout/DropPath: each segment's layers draw its masks
             if part.is_segment:
                 seed_serial(out[part.offset:part.offset + part.module.n_layers])
@@ -352,8 +338,7 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
 
     def tied_prefixes(self) -> dict:
         """``{"{o+k}.F.": "{o+k0}.F."}``: the global key prefix of every weight-tied layer
-        (``LayerParallelResNet(tie=...)``) that is not its group's first layer, mapped to the
-        first layer's (local, no communication; empty without ties)."""
+        (``tie=...``) but its group's first, mapped to the first's (local; ``{}`` without ties)."""
         out = {}
         for part in self._parts:
             if part.is_segment:
@@ -373,15 +358,15 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         merged.sort(key=lambda kv: int(kv[0].split(".", 1)[0]))  # stable within a layer
         return alias_tied(dict(merged), self.tied_prefixes())
 
+    @with_layer_parameters
     def load_global_state_dict(self, state: dict | None, root: int = 0,
                                strict: bool = True) -> None:
         """Inverse of :meth:`gather_state_dict`: ``state`` (global keys, given on ``root``) is
         scattered and each rank loads its entries (collective).
 
         Raises:
-            KeyError: (every rank) missing keys, or with ``strict`` keys that no part of the
-                network has. ValueError: (every rank) an entry whose shape differs, or
-                weight-tied layers (``tie``) given different values.
+            KeyError: (every rank) missing keys, or with ``strict`` keys no part of the network
+                has. ValueError: (every rank) an entry of another shape, or tied layers differ.
         """
         want = {k: tuple(t.shape) for k, t in self._local_state().items()}
         wants = self.comm.gather(want, root=root)
@@ -411,6 +396,5 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         if error:
             raise (KeyError if error[0] == "key" else ValueError)(error[1])
         mine = self.comm.scatter(payloads, root=root)
-        with self._materialized():  # stacked leaves: loaded through aliases of their rows
-            for name, m in self.named_global_modules():
-                m.load_state_dict({n: mine[f"{name}.{n}"] for n in m.state_dict()})
+        for name, m in self.named_global_modules():
+            m.load_state_dict({n: mine[f"{name}.{n}"] for n in m.state_dict()})

@@ -35,6 +35,7 @@ devices and ``requires_grad`` flags and no parameter is shared (ValueError other
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 
 import torch
@@ -43,7 +44,23 @@ from torch import nn
 from ..chains.compiled import plain_module
 from ..chains.contract import quiet
 
-__all__ = ["StackedLeaves", "stacking_error"]
+__all__ = ["StackedLeaves", "stacking_error", "with_layer_parameters"]
+
+
+def with_layer_parameters(method):
+    """Decorator of a :class:`~mgrit.nn.LayerParallelNet` method that reads or loads its layers
+    one by one (``to_serial``, the global state dict): inside it, the steps of every
+    ``stacked_parameters=True`` segment hold ordinary parameters aliasing the stacked rows
+    (:meth:`StackedLeaves.materialized`)."""
+    @functools.wraps(method)
+    def wrapped(net, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for seg in net.segments:
+                leaves = getattr(seg, "_leaves", None)
+                if leaves is not None:
+                    stack.enter_context(leaves.materialized())
+            return method(net, *args, **kwargs)
+    return wrapped
 
 
 def stacking_error(steps, first: int) -> str | None:
@@ -87,6 +104,7 @@ class StackedLeaves:
     def __init__(self, steps, first: int):
         self.first = first
         self.error = None  # set for good once a step's parameter was assigned (check)
+        self._depth = 0  # materialized() nesting
         self.names = [n for n, _ in steps[0].named_parameters()] if len(steps) else []
         self.holder = nn.Module()
         self._sites = {n: [_site(s, n) for s in steps] for n in self.names}
@@ -186,9 +204,13 @@ class StackedLeaves:
     def materialized(self):
         """Inside, every step holds ordinary ``Parameter`` objects sharing the leaves' memory
         (for copies and per-step state dicts: ``to_serial``, the global state dict)."""
+        if self._depth:  # nested (a global view calling another): already ordinary
+            yield
+            return
         if self.error is not None:
             raise ValueError(self.error)
         self.install()  # the leaves now (a load with assign=True may have replaced them)
+        self._depth += 1
         with quiet():
             for n, w in zip(self.names, self._leaves):
                 for j, (m, leaf) in enumerate(self._sites[n]):
@@ -197,6 +219,7 @@ class StackedLeaves:
             try:
                 yield
             finally:
+                self._depth -= 1
                 for n in self.names:
                     for m, leaf in self._sites[n]:
                         del m._parameters[leaf]
