@@ -83,9 +83,11 @@ def generate_spec(c, enabled=frozenset()) -> dict:
             "compiled": kind != "gru" and "compile" in enabled and c.bool(0.05),
             "dp": c.pick([1, 1, 2]), "seed": c.int(0, 9999)}
     # stacked-leaf segments: multilevel, not compiled, >= 2 layers per rank on 1-3 ranks
-    if "stacked_leaves" in enabled and kind != "gru" and spec["levels"] == 2 and \
-            not spec["compiled"] and ("stacked_always" in enabled or c.bool(0.4)):
-        spec.update(stacked=True, layers=6)
+    # (stacked_always: every spec that can be, made multilevel)
+    always = "stacked_always" in enabled and kind != "gru" and not spec["compiled"]
+    if always or ("stacked_leaves" in enabled and kind != "gru" and spec["levels"] == 2
+                  and not spec["compiled"] and c.bool(0.4)):
+        spec.update(stacked=True, layers=6, levels=2)
     return spec
 
 
