@@ -186,3 +186,26 @@ for k in (2, 3):
 def test_stacked_mpi(k, name):
     results = BATCH.run(k, name)  # each rank's return value, repr'd
     assert len(set(results)) == 1 and float(ast.literal_eval(results[0])) <= 1e-12, results
+
+
+def test_inexact_float32_training_is_bitwise_the_per_layer_path():
+    """The benchmark's configuration (float32, 2 forward / 1 adjoint cycles, warm start): the
+    stacked step (foreach SGD) is bitwise the per-layer step (per-tensor SGD)."""
+    def build(stacked):
+        def o(it):
+            return MGRITOptions(max_levels=2, cfactor=4, tol=0, max_iter=it, relax="F")
+        return LayerParallelResNet.build(lambda k: DenseStep(4, "tanh"), 32, (4,), forward=o(2),
+                                         backward=o(1), stacked_parameters=stacked)
+    a, b = build(False), build(True)
+    oa = torch.optim.SGD(a.parameters(), lr=0.05, foreach=False)
+    ob = torch.optim.SGD(b.parameters(), lr=0.05, foreach=True)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            (m(x) ** 2).mean().backward()
+            o.step()
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["steps.0.linear.weight"], build(False).state_dict()[
+        "steps.0.linear.weight"])  # the steps moved the weights
