@@ -120,8 +120,8 @@ class StackedLeaves:
                     owner.add_module(part, nn.Module())
                 owner = owner._modules[part]
             rows = [m._parameters[leaf].detach() for m, leaf in self._sites[n]]
-            owner.register_parameter(leaf, nn.Parameter(torch.stack(rows),
-                                                         requires_grad=sub._parameters[leaf].requires_grad))
+            flag = sub._parameters[leaf].requires_grad
+            owner.register_parameter(leaf, nn.Parameter(torch.stack(rows), requires_grad=flag))
         self._holder_sites = {n: _site(self.holder, n) for n in self.names}
         with quiet():  # not a user's change of the modules
             for n in self.names:
