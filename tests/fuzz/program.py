@@ -178,8 +178,7 @@ def dumps(program: dict) -> str:
 
 # -- shrinking (multi-rank runs; Hypothesis shrinks the 1-rank ones) ----------------------------
 SIMPLER = (("compiled", False), ("stacked", False), ("dp", 1), ("norm", "l2"), ("levels", 1),
-           ("step", "shipped"),
-           ("kind", "dense"), ("layers", 4))
+           ("step", "shipped"), ("kind", "dense"), ("layers", 4))
 
 
 def shrink(program: dict, fails, budget: int = 60) -> dict:
