@@ -130,13 +130,16 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("bench_fingerprint", "experiments/benchmarks/bench_fingerprint.py", None,
           ("--out", "{out}"), ("--smoke", "--out", "{out}"), "timing", "fingerprint helper"),
     # issue 34 item 1: the MGRIT training step phase by phase, per rank, with its bound
-    # (N = 1024, m = 16/32/64; a load gate marks loaded runs unreliable)
+    # (N = 1024, m = 16/32/64; a load gate marks loaded runs unreliable); the per-layer step
+    # with per-tensor SGD and the stacked-leaf step with foreach SGD, interleaved
     Entry("profile_step_p1", "experiments/benchmarks/profile_step.py", None,
-          ("--compile", "--out", "{out}"),
-          ("--quick", "--out", "{out}"), "timing", "perf helper (issue 34)"),
+          ("--compile", "--modes", "layers:sgd", "stacked:foreach", "--out", "{out}"),
+          ("--quick", "--modes", "layers:sgd", "stacked:foreach", "--out", "{out}"), "timing",
+          "perf helper (issue 34)"),
     Entry("profile_step_p2", "experiments/benchmarks/profile_step.py", 2,
-          ("--compile", "--out", "{out}"),
-          ("--quick", "--out", "{out}"), "timing", "perf helper (issue 34)"),
+          ("--compile", "--modes", "layers:sgd", "stacked:foreach", "--out", "{out}"),
+          ("--quick", "--modes", "layers:sgd", "stacked:foreach", "--out", "{out}"), "timing",
+          "perf helper (issue 34)"),
     # named as its results folder (studies/multilevel/), so that its headline.json reaches the
     # README block (issue 24 item 2; it was "study_multilevel")
     Entry("multilevel", "experiments/studies/study_multilevel.py", 2, ("--full", "--out", "{out}"),

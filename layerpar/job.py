@@ -51,12 +51,16 @@ __all__ = ["run_job", "hold_out", "OPTIMIZERS", "RUNS"]
 #: top of the checkout (``layerpar/`` is one level below it; git ignores ``/runs/``).
 RUNS = Path(__file__).resolve().parents[1] / "runs"
 
-#: The ``--optimizer`` choices: name -> ``(parameters, config) -> torch.optim.Optimizer``.
+#: The ``--optimizer`` choices: name -> ``(parameters, config) -> torch.optim.Optimizer``;
+#: ``foreach=True`` (multi-tensor kernels, PyTorch's default on CUDA only): the numbers of the
+#: per-tensor loop (``tests/nn/test_stacked_leaves.py``).
 OPTIMIZERS = {
     "sgd": lambda params, c: torch.optim.SGD(params, lr=c.lr, momentum=c.momentum,
-                                             weight_decay=c.weight_decay),
-    "adam": lambda params, c: torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay),
-    "adamw": lambda params, c: torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay),
+                                             weight_decay=c.weight_decay, foreach=True),
+    "adam": lambda params, c: torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay,
+                                               foreach=True),
+    "adamw": lambda params, c: torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay,
+                                                 foreach=True),
 }
 
 

@@ -32,9 +32,15 @@ latency (ping-pong, P > 1). Printed as ``measured / bound`` (CPU time of the slo
 Load gate: the 1-minute load average before and after; a run whose load exceeds the job's own
 processes (P) by more than 0.5 is marked unreliable in the table and the JSON.
 
+Parameter modes (``--modes``, timed interleaved in the same repeats): ``layers`` (one leaf per
+layer and name; the backward's stacked gradient is handed to every layer's ``.grad`` by
+autograd) and ``stacked`` (``stacked_parameters=True``: one leaf per name), each with its SGD
+(``MODE:sgd|foreach|fused``).
+
 Usage (one process, or ``mpiexec -n 2 python -m mpi4py`` for two ranks)::
 
     python experiments/benchmarks/profile_step.py [--quick] [--compile] [--out DIR]
+    python experiments/benchmarks/profile_step.py --compile --modes layers:sgd stacked:foreach
 
 writes ``DIR/profile_step_p{P}.md`` and ``.json`` (default DIR
 ``experiments/results/benchmarks``); ``--quick``: N = 64, m in {4, 8}, 2 repeats.
@@ -99,11 +105,25 @@ class Clock:
         return timed
 
 
-def make_lp(N, width, m, comm):
+def make_lp(N, width, m, comm, stacked=False):
     def o(it):
         return MGRITOptions(max_levels=2, cfactor=m, tol=0, max_iter=it, relax="F")
     return LayerParallelResNet.build(lambda k: DenseStep(width, "tanh"), N, (width,), comm=comm,
-                                     forward=o(2), backward=o(1))
+                                     forward=o(2), backward=o(1), stacked_parameters=stacked)
+
+
+def parse_mode(text, default_opt):
+    """``MODE[:OPTIMIZER]`` (``layers`` or ``stacked``; ``sgd``, ``foreach``, ``fused``)."""
+    mode, _, opt = text.partition(":")
+    opt = opt or default_opt
+    if mode not in ("layers", "stacked") or opt not in ("sgd", "foreach", "fused"):
+        raise SystemExit(f"--modes {text!r}: use layers|stacked[:sgd|foreach|fused]")
+    return mode, opt
+
+
+def label(m, mode, opt, modes) -> str:
+    """The configuration's column name: ``m`` alone when only one mode runs."""
+    return str(m) if len(modes) == 1 else f"{m} {mode}/{opt}"
 
 
 def make_optimizer(params, kind):
@@ -119,6 +139,7 @@ class Profiled:
     def __init__(self, lp, x, batch, optimizer):
         self.lp, self.x, self.batch = lp, x, batch
         self.opt = make_optimizer(lp.parameters(), optimizer)
+        self.optimizer = optimizer
         self.clock = Clock()
         self.tracer = Tracer()
         self.tracer.attach(lp._fsolver, "forward")
@@ -209,20 +230,26 @@ def run(args, comm) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.width)
-    configs = {m: Profiled(make_lp(args.N, args.width, m, comm), x, args.batch, args.optimizer)
-               for m in args.ms}
-    lean = LeanResNet.from_sequential(configs[args.ms[0]].lp.to_serial())
+    modes = [parse_mode(t, args.optimizer) for t in args.modes]
+    cfactor, configs = {}, {}
+    for m in args.ms:
+        for mode, opt in modes:
+            key = label(m, mode, opt, modes)
+            cfactor[key] = m
+            configs[key] = Profiled(make_lp(args.N, args.width, m, comm, mode == "stacked"), x,
+                                    args.batch, opt)
+    first = next(iter(configs.values()))
+    lean = LeanResNet.from_sequential(first.lp.to_serial())
     compiled, cnote = None, "not run (--compile not given)"
     if args.compile:
         try:
-            compiled = compiled_train_step(LeanResNet.from_sequential(
-                configs[args.ms[0]].lp.to_serial()), 16)
+            compiled = compiled_train_step(LeanResNet.from_sequential(first.lp.to_serial()), 16)
             compiled(x, 0.0)
             cnote = "inductor, blocks of 16 layers"
         except COMPILE_ERRORS as e:
             cnote = f"does not compile here: {type(e).__name__}"
     loads = [load1()]
-    samples = {m: [] for m in args.ms}
+    samples = {m: [] for m in configs}
     base = {"lean": []}
     if compiled is not None:
         base["compiled lean"] = []
@@ -240,7 +267,8 @@ def run(args, comm) -> dict:
     bounds = {}
     for m, pc in configs.items():
         trace = pc.tracer.gather(comm, root=0)
-        u = units.measure(pc.lp, x, m, comm, args.unit_reps, trace_events(pc.tracer))
+        u = units.measure(pc.lp, x, cfactor[m], comm, args.unit_reps, trace_events(pc.tracer),
+                          pc.optimizer)
         allu = comm.gather(u, root=0)
         if rank == 0:
             costs, comm_cost, extra = units.combine(allu)
@@ -254,8 +282,11 @@ def run(args, comm) -> dict:
                                       for k, v in base.items()}}, root=0)
     if rank != 0:
         return {}
-    return {"P": P, "N": args.N, "width": args.width, "batch": args.batch, "ms": args.ms,
-            "reps": args.reps, "optimizer": args.optimizer, "compiled": cnote,
+    return {"P": P, "N": args.N, "width": args.width, "batch": args.batch, "ms": list(configs),
+            "reps": args.reps, "optimizer": ", ".join(f"{m}:{o}" for m, o in modes),
+            "modes": {k: list(parse_mode(t, args.optimizer)) for k, t in
+                      zip(configs, [t for _ in args.ms for t in args.modes])},
+            "compiled": cnote,
             "load1": loads, "reliable": max(loads) <= P + 0.5, "ranks": rows, "bounds": bounds,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -279,6 +310,11 @@ def main(argv=None):
     ap.add_argument("--unit-reps", type=int, default=20, help="calls per unit cost, min taken (20)")
     ap.add_argument("--optimizer", choices=("sgd", "foreach", "fused"), default="sgd",
                     help="torch.optim.SGD: per tensor (default), foreach=True or fused=True")
+    ap.add_argument("--modes", nargs="+", default=["layers"],
+                    help="parameter modes timed interleaved, MODE[:OPTIMIZER]: layers (one leaf "
+                         "per layer and name) or stacked (stacked_parameters=True); the "
+                         "optimizer defaults to --optimizer (e.g. --modes layers:sgd "
+                         "stacked:foreach: the old and the new step, paired)")
     ap.add_argument("--compile", action="store_true", help="also time the compiled lean step")
     ap.add_argument("--quick", action="store_true", help="N = 64, m in {4, 8}, 2 repeats")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "benchmarks"))

@@ -66,9 +66,10 @@ def _single_cost(step, events, label, m, batch, width, reps) -> float | None:
     return _best(lambda: step(u, start, start + m ** level, level), reps)
 
 
-def measure(lp, x, m, comm, reps, events) -> dict:
+def measure(lp, x, m, comm, reps, events, optimizer="sgd") -> dict:
     """This rank's unit costs (seconds; collective over ``comm`` for the ping-pong).
-    ``events``: ``[(label, step event)]`` of one traced step."""
+    ``events``: ``[(label, step event)]`` of one traced step; ``optimizer``: the step's SGD
+    kind (with stacked leaves its step over the stacked tensors is the optimizer's unit)."""
     batch, width, n_local = x.shape[0], x.shape[1], len(lp.steps)
     chain = lp._chain
     tensors = chain.refresh()
@@ -94,6 +95,13 @@ def measure(lp, x, m, comm, reps, events) -> dict:
             p.sub_(g, alpha=1e-3)
     u["optimizer_min"] = _best(opt_min, reps) if params else 0.0
     u.update(_per_tensor_costs(lp, reps))
+    if stack is not None and stack.leaves is not None:  # one leaf per name: SGD on those
+        kw = {"sgd": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = torch.optim.SGD(params, lr=1e-3, **kw[optimizer])
+        u["optimizer_min"] = min(u["optimizer_min"], _best(opt.step, reps))
+        u["stacked"] = True
     # the fastest of 3 ping-pongs (each a mean of round trips): a busy peer inflates one
     tries = [pingpong(comm, (8, batch * width * 4), repeats=max(reps, 10)) for _ in range(3)]
     cc = None if tries[0] is None else min(tries, key=lambda c: c.message(batch * width * 4))
@@ -111,7 +119,9 @@ def _per_tensor_costs(lp, reps) -> dict:
     stack = lp._chain._stack
     if stack is None:
         return {}
-    leaves = {n: [t.detach().clone().requires_grad_(True) for t in stack._lists[n]]
+    rows = ({n: list(t.unbind(0)) for n, t in stack.leaves.snapshot(False).items()}
+            if stack.leaves is not None else {n: stack._lists[n] for n in stack.names})
+    leaves = {n: [t.detach().clone().requires_grad_(True) for t in rows[n]]
               for n in stack.names}
 
     def fan():
@@ -225,12 +235,17 @@ def markdown(res: dict) -> tuple:
             return " + ".join(f"{x['steps_single']}/{x['steps_batched_calls']}/"
                               f"{x['steps_batched_items']}" for x in c)
         msgs = sum(x["messages"] for c in b["counts"].values() for x in c)
+        mode, kind = res.get("modes", {}).get(str(m), ("layers", res["optimizer"]))
+        if mode == "stacked":  # one leaf per name: no fan-out, the optimizer is in the bound
+            per_tensor = with_per_tensor = "– (stacked leaves)"
+        else:
+            per_tensor, with_per_tensor = _per_tensor(b, kind), _with_per_tensor(b, kind, cpu)
         pl = b["per_label_s"]
         lines.append(f"| {m} | {ops('forward')} | {ops('adjoint')} | {msgs} | "
                      f"{_ms(b['bound_s'])} ({_ms(pl.get('forward'))} + {_ms(pl.get('adjoint'))} "
                      f"+ {_ms(b['extra_s'])}) | {_ms(cpu)} | {cpu / b['bound_s']:.2f} | "
-                     f"{b['bound_s'] / cpu:.2f} | {_per_tensor(b, res['optimizer'])} | "
-                     f"{_with_per_tensor(b, res['optimizer'], cpu)} | {_speedups(res, cpu)} |")
+                     f"{b['bound_s'] / cpu:.2f} | {per_tensor} | {with_per_tensor} | "
+                     f"{_speedups(res, cpu)} |")
     lines += ["", "Operation counts per rank (rank 0 + rank 1 ...). The bound leaves out the "
               "solver's host work, Python, the autograd fan-out of the stacked gradient to the "
               "layers' parameters and waits beyond a message's latency; `extra` is the "

@@ -9,8 +9,8 @@ or a :class:`~mgrit.nn.resnet.LayerParallelResNet` *segment*, applied in order, 
   ``(embedding, buffer, buffer, segment, buffer, head)``.
 
 Every segment is its own MGRIT chain (forward solve, adjoint solve in backward) over the same
-layer communicator; gradients through the ordinary modules come from ordinary autograd. Every
-rank runs the adjoint solves in reverse forward order (docs page ``features/segments``).
+layer communicator; gradients through the ordinary modules come from ordinary autograd; the
+adjoint solves run in reverse forward order (docs page ``features/segments``).
 
 Where things live (layer ranks of the communicator the segments share):
 
@@ -25,8 +25,7 @@ Where things live (layer ranks of the communicator the segments share):
 
 Usage (every rank of the layer communicator)::
 
-    out = net(x)                        # same batch x on every rank (only its size is used
-                                        # away from the first layer rank)
+    out = net(x)                        # same batch x everywhere (elsewhere: only its size)
     net.loss(out, y).backward()         # real loss on the last layer rank, placeholder elsewhere
     optimizer.step()                    # over net.parameters(): this rank's parameters
 
@@ -54,6 +53,7 @@ from ._p2p import join, recv, send, transfer_tag
 from .chains.compiled import compile_neutral_keys, plain_module, share_parameter
 from .chains.transforms import compile_disabled, transform_error
 from .protocol import LayerParallelNetMixin
+from .resnet.stacked_leaves import with_layer_parameters
 from .segments import first_rank, gap_error, last_rank, layout, steps_error, structure_error
 from .steps import ResidualStep
 from .steps.stochastic import seed_serial, share_stream
@@ -83,10 +83,10 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
 
     Attributes:
         segments: the segments (``nn.ModuleList``, every rank). ``stages``: the ordinary
-            modules this rank runs (``nn.ModuleDict`` keyed by part index). ``comm``: the
-            layer communicator. ``first_rank``/``last_rank``: ranks consuming the input /
-            holding the output. ``transfer_stats``: messages, bytes and wait time of the
-            transfers between segments (:class:`~mgrit.stats.SolverStats`).
+            modules this rank runs (``nn.ModuleDict`` keyed by part index). ``comm``: the layer
+            communicator. ``first_rank``/``last_rank``: ranks consuming the input / holding the
+            output. ``transfer_stats``: messages, bytes and wait time of the transfers between
+            segments (:class:`~mgrit.stats.SolverStats`).
         resnet, opening, closing: for a network with one segment and at most one ordinary
             module on either side (the classic ``(opening, resnet, closing)``): the segment and
             the modules (``None`` on ranks that do not run them); ``AttributeError`` otherwise.
@@ -282,14 +282,15 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
             for n, p in m.named_parameters():
                 yield f"{name}.{n}", p
 
+    @with_layer_parameters
     def _local_state(self) -> dict:
         return {f"{name}.{n}": t for name, m in self.named_global_modules()
                 for n, t in m.state_dict().items()}
 
+    @with_layer_parameters
     def to_serial(self) -> nn.Sequential:
-        """The equivalent plain ``nn.Sequential`` (ordinary modules and
-        ``ResidualStep(step, h)`` layers in order) with copies of the current weights, on every
-        rank (collective: one ``allgather``)."""
+        """The equivalent plain ``nn.Sequential`` (ordinary modules and ``ResidualStep(step, h)``
+        layers in order), copies of the current weights, on every rank (one ``allgather``)."""
         mine = [(i, m if h is None else ResidualStep(m, h)) for i, m, h in self._local_modules()]
         pieces = self.comm.allgather(mine)
         layers = dict(item for piece in pieces for item in piece)
@@ -333,15 +334,15 @@ class LayerParallelNet(LayerParallelNetMixin, nn.Module):
         merged.sort(key=lambda kv: int(kv[0].split(".", 1)[0]))  # stable within a layer
         return alias_tied(dict(merged), self.tied_prefixes())
 
+    @with_layer_parameters
     def load_global_state_dict(self, state: dict | None, root: int = 0,
                                strict: bool = True) -> None:
         """Inverse of :meth:`gather_state_dict`: ``state`` (global keys, given on ``root``) is
         scattered and each rank loads its entries (collective).
 
         Raises:
-            KeyError: (every rank) missing keys, or with ``strict`` keys that no part of the
-                network has. ValueError: (every rank) an entry whose shape differs, or
-                weight-tied layers (``tie``) given different values.
+            KeyError: (every rank) missing keys, or with ``strict`` keys no part of the network
+                has. ValueError: (every rank) an entry of another shape, or tied layers differ.
         """
         want = {k: tuple(t.shape) for k, t in self._local_state().items()}
         wants = self.comm.gather(want, root=root)

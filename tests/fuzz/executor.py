@@ -224,10 +224,13 @@ class Run(ModelActions, AutogradPaths):
         gs = both("ser", lambda: torch.autograd.grad(self.ser_loss(ys, v),
                                                      [xs] + [sp[k] for k in keys if k in sp],
                                                      retain_graph=retain, allow_unused=True))
-        lp = self.twin.lp_params()
-        gl = both("lp", lambda: torch.autograd.grad(self.lp_loss(yl, v),
-                                                    [xl] + [lp[k] for k in keys],
-                                                    retain_graph=retain, allow_unused=True))
+        lp, rows = self.twin.lp_params(), self.twin.rows()  # stacked: the leaf, then its row
+        gl = both("lp", lambda: torch.autograd.grad(
+            self.lp_loss(yl, v), [xl] + [rows[k][0] if k in rows else lp[k] for k in keys],
+            retain_graph=retain, allow_unused=True))
+        if gl is not None:
+            gl = gl[:1] + tuple(g[rows[k][1]] if k in rows and g is not None else g
+                                for k, g in zip(keys, gl[1:]))
         if gs is not None and gl is not None:
             if self.twin.holds_input and not self.twin.gru:
                 self.check(self._reduce(gl[0]), gs[0], "autograd.grad input")
@@ -264,6 +267,8 @@ class Run(ModelActions, AutogradPaths):
     def a_freeze(self, both, p, on):
         keys = sorted(self.twin.ser_params())
         k = keys[p % len(keys)]
+        if self.twin.spec.get("stacked") and ".F." in k:  # one layer of a stacked leaf: torch
+            return  # refuses requires_grad_ on a view (tests/nn/test_stacked_leaves.py)
         both("ser", lambda: self.twin.ser_params()[k].requires_grad_(on))
         lp = self.twin.lp_params()
         if k in lp:

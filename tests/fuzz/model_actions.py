@@ -50,6 +50,8 @@ class ModelActions:
     def a_replace_param(self, both, p):
         keys = sorted(self.twin.ser_params())
         key = keys[p % len(keys)]
+        if self.twin.spec.get("stacked") and ".F." in key:  # refused (a layer's view of a
+            return  # stacked leaf; tests/nn/test_stacked_leaves.py): not a serial action
         owner, name = self._param_site(self.twin.ser, key, "")
         both("ser", lambda: setattr(owner, name, _replaced(getattr(owner, name))))
         for k, mod in self.twin.lp_modules().items():
@@ -62,9 +64,15 @@ class ModelActions:
     def a_load_assign(self, both, scale):
         sd = {k: v * scale for k, v in self.twin.ser.state_dict().items()}
         both("ser", lambda: self.twin.ser.load_state_dict(sd, assign=True))
+        stacked = self.twin.spec.get("stacked") and not self.twin.gru
         for k, mod in self.twin.lp_modules().items():
+            if stacked and k.endswith(".F"):
+                continue  # the segment's state dict below (its layers hold views)
             local = {n: v * scale for n, v in mod.state_dict().items()}
             both("lp", lambda: mod.load_state_dict(local, assign=True))
+        for seg in (list(self.twin.lp.segments) if stacked else ()):
+            local = {n: v * scale for n, v in seg.state_dict().items()}
+            both("lp", lambda: seg.load_state_dict(local, assign=True))
         self._new_opts(buckets=False)
         self.pending = []
 

@@ -174,7 +174,8 @@ def _segment(spec, comm, kind, width, shape, seed, compiled):
         make = lambda k: torch.compile(plain(k))  # noqa: E731  (how a user compiles steps)
     o = options(spec)
     return LayerParallelResNet.build(make, spec["layers"], shape, comm=comm, seed=seed, T=2.0,
-                                     forward=o, backward=o)
+                                     forward=o, backward=o,
+                                     stacked_parameters=spec.get("stacked", False))
 
 
 def build_net(spec: dict, comm: MPI.Comm, compiled: bool | None = None,
@@ -246,10 +247,36 @@ class Twin:
         return self.comm.rank == 0 if self.gru else self.lp.is_first
 
     def lp_params(self) -> dict:
-        """This rank's parameters by global key."""
+        """This rank's parameters by global key (stacked segments: a stand-in per layer row,
+        sharing its memory, with the row's ``requires_grad`` and ``.grad``; :meth:`row_of`)."""
         if self.gru:
             return {f"cell.{n}": p for n, p in self.lp.named_parameters()}
-        return dict(self.lp.named_global_parameters())
+        out = dict(self.lp.named_global_parameters())
+        for key, (leaf, j) in self.rows().items():
+            t = leaf.detach()[j]
+            t.requires_grad_(leaf.requires_grad)
+            if leaf.grad is not None:
+                t.grad = leaf.grad[j]
+            out[key] = t
+        return out
+
+    def rows(self) -> dict:
+        """``{global key: (stacked leaf, row)}`` of the stacked segments' layers on this rank."""
+        out = {}
+        if self.gru or not self.spec.get("stacked"):
+            return out
+        for part in self.lp._parts:
+            seg = part.module
+            if part.is_segment and getattr(seg, "_leaves", None) is not None:
+                for name in seg._leaves.names:  # the leaves now (also just after assign)
+                    leaf = seg._leaves.leaf(name)
+                    for j in range(leaf.shape[0]):
+                        out[f"{part.offset + seg.first + j}.F.{name}"] = (leaf, j)
+        return out
+
+    def row_of(self, key: str):
+        """``(stacked leaf, row)`` of a stacked layer's parameter key, else ``None``."""
+        return self.rows().get(key)
 
     def ser_params(self) -> dict:
         return dict(self.ser.named_parameters())

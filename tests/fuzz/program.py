@@ -32,6 +32,8 @@ FEATURES = frozenset({
     "compile",           # item 8: torch.compile'd steps, state-dict keys
     "clip",              # item 10: clip_grad_norm_ on every rank (global norm expected)
     "freeze_pending",    # found by the fuzzer: freezing a parameter while a graph is pending
+    "stacked_leaves",    # issue 34: LayerParallelResNet(stacked_parameters=True) segments
+    "stacked_always",    # opt-in: every eligible spec stacked (a campaign aimed at the mode)
 }) | paths_autograd.FEATURES  # issue 36: transforms (input_grad, functional_call, ...)
 
 #: THE SWITCH: features main gets wrong. Generated only when asked for (``--enable``); delete
@@ -42,9 +44,13 @@ KNOWN_BROKEN_ON_MAIN: frozenset = frozenset()  # every class found so far is fix
 CAMPAIGN_ONLY = frozenset({"compile"}) | paths_autograd.CAMPAIGN_ONLY
 
 
+#: Only when named (``--enable stacked_always``): they narrow the program space.
+OPT_IN = frozenset({"stacked_always"})
+
+
 def default_features(ci: bool = False) -> frozenset:
     """What runs without ``--enable``: every feature not known broken (CI: nor campaign-only)."""
-    return FEATURES - KNOWN_BROKEN_ON_MAIN - (CAMPAIGN_ONLY if ci else frozenset())
+    return FEATURES - KNOWN_BROKEN_ON_MAIN - OPT_IN - (CAMPAIGN_ONLY if ci else frozenset())
 
 ACTIONS = ("forward", "backward", "autograd_grad", "accumulate", "zero_grad", "train", "freeze",
            "opt_new", "opt_step", "hook_add", "hook_remove", "checkpoint", "reload_self",
@@ -72,10 +78,17 @@ def generate_spec(c, enabled=frozenset()) -> dict:
     steps = ["shipped", "user", "buffer"]
     if "subclass_step" in enabled:
         steps += ["subclass", "subclass_buffer"]
-    return {"kind": kind, "step": "shipped" if kind == "gru" else c.pick(steps),
+    spec = {"kind": kind, "step": "shipped" if kind == "gru" else c.pick(steps),
             "layers": c.pick([4, 5, 6]), "levels": c.pick([1, 2]), "norm": c.pick(["l2", "inf"]),
             "compiled": kind != "gru" and "compile" in enabled and c.bool(0.05),
             "dp": c.pick([1, 1, 2]), "seed": c.int(0, 9999)}
+    # stacked-leaf segments: multilevel, not compiled, >= 2 layers per rank on 1-3 ranks
+    # (stacked_always: every spec that can be, made multilevel)
+    always = "stacked_always" in enabled and kind != "gru" and not spec["compiled"]
+    if always or ("stacked_leaves" in enabled and kind != "gru" and spec["levels"] == 2
+                  and not spec["compiled"] and c.bool(0.4)):
+        spec.update(stacked=True, layers=6, levels=2)
+    return spec
 
 
 def _kinds(spec, enabled, pending, hooks):
@@ -92,7 +105,10 @@ def _kinds(spec, enabled, pending, hooks):
                        ("load_assign", "load_assign"), ("nan", "nan_backward")):
         if feat in enabled:  # weighted up: enabled to be looked for
             out += [kind] * 3
-    return out + paths_autograd.kinds(enabled)
+    out += paths_autograd.kinds(enabled)
+    if spec.get("stacked"):  # refused with stacked leaves (tests/nn/test_stacked_leaves.py)
+        out = [k for k in out if k != "functional_call"]
+    return out
 
 
 def generate_action(c, spec, enabled, state) -> list:
@@ -161,8 +177,8 @@ def dumps(program: dict) -> str:
 
 
 # -- shrinking (multi-rank runs; Hypothesis shrinks the 1-rank ones) ----------------------------
-SIMPLER = (("compiled", False), ("dp", 1), ("norm", "l2"), ("levels", 1), ("step", "shipped"),
-           ("kind", "dense"), ("layers", 4))
+SIMPLER = (("compiled", False), ("stacked", False), ("dp", 1), ("norm", "l2"), ("levels", 1),
+           ("step", "shipped"), ("kind", "dense"), ("layers", 4))
 
 
 def shrink(program: dict, fails, budget: int = 60) -> dict:

@@ -78,6 +78,7 @@ class ForwardChain(Propagator):
         self.steps, self.first, self.h = list(steps), int(first), float(h)
         self._want_batched = bool(batched)
         self._hooked = False
+        self.leaves = None  # the owner's stacked-leaf parameters (stacked_parameters=True)
         self.rebuild()
 
     def rebuild(self, steps: Sequence[nn.Module] | None = None) -> None:
@@ -89,7 +90,7 @@ class ForwardChain(Propagator):
             self.steps = list(steps)
         self._stack, self.batching_obstacle = None, "batched=False"
         if self._want_batched:
-            stack = Stacked(self.steps) if len(self.steps) > 1 else None
+            stack = Stacked(self.steps, self.leaves) if len(self.steps) > 1 else None
             self.batching_obstacle = "fewer than two layers" if stack is None else stack.obstacle
             self._stack = stack if stack is not None and stack.ok else None
         self._layer_fn = None  # the template's forward_layer where its contract allows it

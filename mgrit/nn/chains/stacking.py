@@ -83,8 +83,10 @@ def _tensor_meta(t):
     return None if t is None else (tuple(t.shape), t.dtype, t.device)
 
 
-def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
-    """Why module ``b`` cannot be evaluated with module ``a``'s settings (``None``: it can)."""
+def _module_obstacle(a: nn.Module, b: nn.Module, where: str, skip=frozenset()) -> str | None:
+    """Why module ``b`` cannot be evaluated with module ``a``'s settings (``None``: it can).
+    ``skip``: ids of attribute values that are rows of stacked-leaf parameters (compared as
+    parameters: the stacked leaf fixes their shape, dtype and device)."""
     if type(a) is not type(b):
         return f"{where}: {type(b).__name__} vs {type(a).__name__}"
     if getattr(b, "batchable", True) is False:
@@ -106,14 +108,17 @@ def _module_obstacle(a: nn.Module, b: nn.Module, where: str) -> str | None:
     if names != sorted(k for k in vb if k not in _TORCH_ATTRS):
         return f"{where}: different instance attributes"
     for k in names:
+        if id(va[k]) in skip and id(vb[k]) in skip:
+            continue
         if not _equal(va[k], vb[k]):
             return f"{where}: attribute {k!r} differs ({type(vb[k]).__name__})"
     return None
 
 
-def batching_obstacle(steps: Sequence[nn.Module]) -> str | None:
+def batching_obstacle(steps: Sequence[nn.Module], skip=frozenset()) -> str | None:
     """Why ``steps`` cannot be evaluated batched with ``steps[0]`` as template, or ``None`` when
     the batched call provably equals the per-layer calls (the contract of the module docstring).
+    ``skip``: ids of stacked-leaf views (see :func:`_module_obstacle`).
     Costs Python work per submodule and attribute: call it at construction, not per step."""
     if len(steps) < 2:
         return "fewer than two layers"
@@ -131,7 +136,7 @@ def batching_obstacle(steps: Sequence[nn.Module]) -> str | None:
                 [n for n, _ in s.named_buffers()] != bnames:
             return f"layer {j}: different parameter tying or buffers"
         for (name, a), (_, b) in zip(tmods, smods):
-            err = _module_obstacle(a, b, f"layer {j} module {name or '(step)'!r}")
+            err = _module_obstacle(a, b, f"layer {j} module {name or '(step)'!r}", skip)
             if err:
                 return err
     return None
@@ -156,6 +161,9 @@ class Stacked:
 
     Args:
         steps: the modules, at least two; ``steps[0]`` is the template.
+        leaves: the owner's stacked-leaf parameters
+            (:class:`mgrit.nn.resnet.stacked_leaves.StackedLeaves`) or ``None``: then the
+            snapshot's parameters are the leaves themselves (no stacking, no copy).
 
     Attributes:
         ok: whether batching is exact (``obstacle is None``).
@@ -164,23 +172,29 @@ class Stacked:
         tensors: the latest :meth:`refresh` snapshot, ``{name: (B, *shape)}``.
     """
 
-    def __init__(self, steps: Sequence[nn.Module]):
+    def __init__(self, steps: Sequence[nn.Module], leaves=None):
         self.template = steps[0]
-        self.obstacle = batching_obstacle(steps)
+        self.leaves = leaves
+        self.obstacle = batching_obstacle(steps, frozenset() if leaves is None
+                                          else leaves.view_ids())
         self.ok = self.obstacle is None
-        self.names = [n for n, _ in steps[0].named_parameters()]
+        self.names = leaves.names if leaves is not None else \
+            [n for n, _ in steps[0].named_parameters()]
         self.bnames = [n for n, _ in steps[0].named_buffers()]
         self._lists = {}
         if self.ok:
-            self._lists = {n: [_tensor(s, "_parameters", n) for s in steps] for n in self.names}
+            if leaves is None:
+                self._lists = {n: [_tensor(s, "_parameters", n) for s in steps]
+                               for n in self.names}
             self._lists.update({n: [_tensor(s, "_buffers", n) for s in steps]
                                 for n in self.bnames})
         self.tensors = {}
         # dtype and device of every stacked name (the contract of the snapshot, checked at
         # every refresh in O(names): torch.stack would promote a layer's changed dtype)
+        params = (list(leaves.snapshot(False).values()) if leaves is not None else
+                  [_tensor(steps[0], "_parameters", n) for n in self.names])
         self._meta = [(t.dtype, t.device) for t in
-                      [_tensor(steps[0], "_parameters", n) for n in self.names]
-                      + [_tensor(steps[0], "_buffers", n) for n in self.bnames]]
+                      params + [_tensor(steps[0], "_buffers", n) for n in self.bnames]]
         # native kernels only where the contract allows them (mgrit.nn.chains.contract.kernel)
         self._native = kernel(self.template, "forward_batched") is not None
         self._extras = kernel(self.template, "stack_extras") if self._native else None
@@ -208,8 +222,11 @@ class Stacked:
         weights), added to the snapshot under names that are not parameter names; they are
         constants (``forward_batched`` must not use them where a parameter gradient is
         taken)."""
-        with torch.set_grad_enabled(grad):  # no graph: no per-tensor detach needed
-            tensors = {n: torch.stack(self._lists[n]) for n in self.names}
+        if self.leaves is not None:  # stacked leaves: the snapshot is the leaves themselves
+            tensors = self.leaves.snapshot(grad)
+        else:
+            with torch.set_grad_enabled(grad):  # no graph: no per-tensor detach needed
+                tensors = {n: torch.stack(self._lists[n]) for n in self.names}
         with torch.no_grad():
             tensors.update((n, torch.stack(self._lists[n])) for n in self.bnames)
             if any(t.dtype != dt or t.device != dev for t, (dt, dev) in zip(tensors.values(),

@@ -6,6 +6,7 @@ for global layer ``k``). Every method is collective over the layer communicator 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -25,8 +26,9 @@ class GlobalView:
         """An equivalent plain ``nn.Sequential`` of all ``N`` residual layers with copies of
         the current weights (shared parameters stay shared), on every rank (collective;
         usable without MPI afterwards)."""
-        pieces = self.comm.allgather([(self.first + j, plain_module(s))
-                                      for j, s in enumerate(self.steps)])
+        with self._materialized():
+            pieces = self.comm.allgather([(self.first + j, plain_module(s))
+                                          for j, s in enumerate(self.steps)])
         layers = dict(sorted(((k, s) for piece in pieces for k, s in piece), key=lambda ks: ks[0]))
         for k, k0 in self.tied_sources().items():  # one module per tie group, as in serial
             layers[k] = layers[k0]
@@ -56,8 +58,10 @@ class GlobalView:
     def gather_state_dict(self, root: int = 0) -> dict | None:
         """All layers' weights under global keys ``"{k}.{name}"`` on ``root`` (collective).
         Tied layers' keys map to one tensor object (their group's first layer's)."""
-        local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
-                 for j, s in enumerate(self.steps) for n, t in plain_module(s).state_dict().items()}
+        with self._materialized():
+            local = {f"{self.first + j}.{n}": t.detach().cpu().clone()
+                     for j, s in enumerate(self.steps)
+                     for n, t in plain_module(s).state_dict().items()}
         parts = self.comm.gather(local, root=root)
         if parts is None:
             return None
@@ -88,7 +92,14 @@ class GlobalView:
                 raise ValueError(f"state entry {key!r} differs from {src!r}, but the two are "
                                  f"weight-tied (one module or parameter): give every layer of "
                                  f"a tie group the same values")
-        for j, s in enumerate(self.steps):
-            k, s = self.first + j, plain_module(s)
-            mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}
-            s.load_state_dict(mine)
+        with self._materialized():  # stacked leaves: loaded through aliases of their rows
+            for j, s in enumerate(self.steps):
+                k, s = self.first + j, plain_module(s)
+                mine = {n: state[f"{k}.{n}"] for n in s.state_dict()}
+                s.load_state_dict(mine)
+
+    def _materialized(self):
+        """Steps with ordinary parameters inside (stacked_parameters=True: aliases of the
+        stacked leaves' rows, :meth:`StackedLeaves.materialized`); else nothing changes."""
+        leaves = getattr(self, "_leaves", None)
+        return leaves.materialized() if leaves is not None else contextlib.nullcontext()

@@ -63,6 +63,7 @@ from .controls import SolverControls
 from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
+from .stacked_leaves import StackedLeaves, stacking_error
 from .structure import StepStructure
 from .tiespec import tie_groups
 
@@ -103,24 +104,23 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             (Guenther et al.'s simultaneous training warm-starts both directions; default
             False, as TorchBraid).
         partition: layer ownership (default :meth:`Partition.even`).
-        tie: weight-tied layers, also across ranks (:mod:`mgrit.nn.resnet.tied`): ``None`` (default:
-            none), a function of the **global** layer index ``k -> group key`` or a sequence
-            of ``N`` keys (``None``: untied). ``tie=lambda k: 0``: every layer uses one module
-            (a time-invariant ODE network, ALBERT); ``tie=lambda k: k // 4``: groups of four
-            layers, a group may span two ranks. The layers of a group on one rank must be the
-            same module (:meth:`build` makes them so); each rank holding a group keeps a
-            replica, made bitwise identical at construction (the values of the rank holding
-            the group's first layer) and kept so: the backward itself sums each group's
-            gradient over the layer ranks (one ``Allreduce`` per backward), so ``.grad`` is
-            the serial gradient on every rank, with no extra call. ValueError (every rank):
-            sharing that ``tie`` does not declare, a group whose layers use different
-            parameters, replicas of different shapes or dtypes.
-            One parameter of the step (a time-invariant weight, a bias per layer): a dict
-            ``{parameter path: function or sequence of keys}``, e.g.
-            ``tie={"lin.weight": lambda k: 0}`` (paths are keys of
-            ``step.named_parameters()``; ``""``: the whole step, so both forms mix where
-            they do not cover one parameter of a layer); the same guarantees per tied
-            parameter. ValueError also for a path that names no parameter.
+        tie: weight-tied layers, also across ranks (``docs/features/tied.rst``): ``None``
+            (default), a function of the **global** layer index ``k -> group key`` or a
+            sequence of ``N`` keys (``None``: untied): ``lambda k: 0`` one module for every
+            layer, ``lambda k: k // 4`` groups of four (a group may span ranks); or a dict
+            ``{parameter path: function or keys}`` tying one parameter of the step, e.g.
+            ``{"lin.weight": lambda k: 0}`` (``""``: the whole step). Replicas are bitwise
+            equal (the values of the group's first layer) and ``.grad`` is the serial gradient
+            on every holder (one ``Allreduce`` per backward). ValueError (every rank): undeclared
+            sharing, a group using different parameters on one rank, replicas of different
+            shapes or dtypes, a path naming no parameter.
+        stacked_parameters: hold this rank's parameters as one leaf per name,
+            ``(n_local, *shape)`` registered as ``stacked.<name>`` (default False;
+            :mod:`mgrit.nn.resnet.stacked_leaves`): one gradient per name for autograd, a few
+            tensors for the optimizer; a step's parameter is a view of its row; ``state_dict()``
+            is the unstacked model's. ValueError (every rank) with ``tie``,
+            ``adjoint="serial"``, unbatched or one-level solves, < 2 layers per rank, layers
+            that cannot be batched, shared or unlike parameters.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -150,7 +150,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  adjoint: str = "mgrit", warm_start: bool | None = None,
                  partition: Partition | None = None, warm_start_adjoint: bool = False,
-                 tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None):
+                 tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None,
+                 stacked_parameters: bool = False):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -202,7 +203,16 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self.dtype = p.dtype if p is not None else torch.get_default_dtype()
         self.device = p.device if p is not None else torch.device("cpu")
         self.is_first, self.is_last = a == 0, min(b, n_layers) == n_layers
+        self._leaves = None
+        if stacked_parameters:
+            self._install_leaves(tie)
         self._chain = ForwardChain(self.steps, a, self.h, batched=self.fwd_opts.batched)
+        if self._leaves is not None:
+            self._chain.leaves = self._leaves
+            self._chain.rebuild()
+            raise_agreed(self.comm, None if self._chain.batched else
+                         f"stacked_parameters=True needs batched layers: "
+                         f"{self._chain.batching_obstacle}")
         kw = dict(dtype=self.dtype, device=self.device, comm=self.comm)
         self._fsolver = MGRIT(self._chain, n_layers, options=self.fwd_opts,
                               partition=self.partition, **kw)
@@ -216,6 +226,25 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         # checked on every forward (contract.py)
         self._fingerprint = Fingerprint(self.steps, training=self._reads_training())
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
+
+    def _install_leaves(self, tie) -> None:
+        """``stacked_parameters=True``: the checks (agreed), then the stacked leaves and the
+        state-dict hooks that keep the unstacked model's keys."""
+        o = self.fwd_opts, self.bwd_opts
+        error = ("stacked_parameters=True with tie=... is not supported" if tie is not None else
+                 "stacked_parameters=True needs adjoint='mgrit'" if self.adjoint != "mgrit" else
+                 "stacked_parameters=True needs batched solves (MGRITOptions(batched=True))"
+                 if not (o[0].batched and o[1].batched) else
+                 "stacked_parameters=True needs multilevel solves (max_levels >= 2)"
+                 if o[1].max_levels < 2 or o[0].max_levels < 2 else
+                 stacking_error(self.steps, self.first))
+        raise_agreed(self.comm, error)
+        self._leaves = StackedLeaves(self.steps, self.first)
+        self.stacked = self._leaves.holder
+        self._register_state_dict_hook(self._leaves.state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._leaves.load_pre_hook, with_module=True)
+        self.register_load_state_dict_post_hook(self._leaves.load_post_hook)
+        self._collect_parameters()
 
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,

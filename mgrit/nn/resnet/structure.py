@@ -83,15 +83,23 @@ class StepStructure:
         """The unique parameters (autograd inputs) and, per layer and parameter of that layer,
         its index among them (tied parameters: several layers point to one index); the
         parameters and buffers whose versions the one-level path checks (``_checked``)."""
-        self._params = list(self.steps.parameters())  # deduplicated: shared ones once
-        self._substituted = substituted(self._params)  # functional_call's fast weights
-        index = {id(p): i for i, p in enumerate(self._params)}
-        self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
+        leaves = getattr(self, "_leaves", None)
+        if leaves is not None:  # stacked_parameters=True: one leaf per name
+            self._params = list(leaves.snapshot(True).values())
+            self._substituted, self._param_index = False, []
+        else:
+            self._params = list(self.steps.parameters())  # deduplicated: shared ones once
+            self._substituted = substituted(self._params)  # functional_call's fast weights
+            index = {id(p): i for i, p in enumerate(self._params)}
+            self._param_index = [index[id(p)] for s in self.steps for p in s.parameters()]
         self._checked = self._params + batchnorm.checked_buffers(self.steps)
 
     def _checked_names(self) -> list:
         """Names of :attr:`_checked` for error messages (global layer index and name)."""
         names = {}
+        if getattr(self, "_leaves", None) is not None:
+            for n, t in self._leaves.snapshot(True).items():
+                names[id(t)] = f"stacked parameter 'stacked.{n}'"
         for j, s in enumerate(self.steps):
             for n, t in s.named_parameters():
                 names.setdefault(id(t), f"parameter {n!r} of layer {self.first + j}")
@@ -116,6 +124,8 @@ class StepStructure:
         """Rebuild what was derived from the step modules: the parameter lists, the batched
         chain (batching proof, stacked tensors), the tie groups' parameter references and the
         fingerprint. Local (no message)."""
+        if getattr(self, "_leaves", None) is not None:
+            self._leaves.install()  # .to() replaced the leaves' data: new views
         self._collect_parameters()
         if self._tied is not None and self._params:
             self._tied.rebind(self.steps, self._params[0].dtype, self._params[0].device)
@@ -134,6 +144,10 @@ class StepStructure:
     def _check_contract(self) -> None:
         """The per-call check of :mod:`mgrit.nn.chains.contract`: rebuild the fast paths when the
         step modules changed since they were built."""
+        leaves = getattr(self, "_leaves", None)
+        if leaves is not None and leaves.check():  # leaves replaced: views re-made
+            self._restructure()
+            return
         if not self._fingerprint.same():
             self._restructure()
 
@@ -145,6 +159,7 @@ class StepStructure:
             error = (f"{tie_error} (a parameter of a tie group was replaced on some of its "
                      f"layers since construction; replace it on every layer of the group, "
                      f"then call refresh_structure())")
+        error = error or (self._leaves.error if getattr(self, "_leaves", None) else None)
         if error is None and self._substituted and self._tied is not None and self._tied.size:
             error = ("torch.func.functional_call with weight-tied layers (tie=...) is not "
                      "supported: the replicas of a tie group on other ranks would not see the "
