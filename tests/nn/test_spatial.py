@@ -52,8 +52,8 @@ def test_full_weighting_is_the_scaled_transpose_of_the_interpolation():
         assert torch.equal(R, P.T / f)
     sp = SpatialCoarsening(grid="vertex")  # 2-D: R = P^T / 4 exactly, via the adjoint ops
     x = _x(2, 2, 7, 7)
-    assert torch.allclose(sp.restrict(x, 1, (2, 7, 7)), sp.transposed().restrict(x, 1, (2, 7, 7)) / 4,
-                          atol=1e-15, rtol=0)
+    adj = sp.transposed().restrict(x, 1, (2, 7, 7))
+    assert torch.allclose(sp.restrict(x, 1, (2, 7, 7)), adj / 4, atol=1e-15, rtol=0)
 
 
 def test_injection_constant_and_cell_linear_against_slicing_and_interpolate():
@@ -228,7 +228,7 @@ def test_batchnorm_coarse_steps_use_coarse_batch_statistics():
     assert torch.equal(bn.running_mean, before)
 
 
-# -- batched kernel at coarse sizes: probe and fallback -----------------------------------------------
+# -- batched kernel at coarse sizes: probe and fallback ------------------------------------------
 class FixedKernelStep(nn.Module):
     """A step whose (contract-breaking) batched kernel only works at the fine size 8 x 8."""
 
@@ -323,3 +323,15 @@ def test_space_time_equals_time_only_where_the_coarse_grid_is_exact():
     assert all(abs(r - s) <= 1e-12 * abs(r) + 1e-15 for r, s in zip(a[3] + a[4], b[3] + b[4]))
     exact = serial_resnet(make, 16)(x)  # and the cycles are not yet converged: a real test
     assert (a[0] - exact).abs().max() > 1e-6
+
+
+def test_set_options_with_new_levels_checks_them():
+    """Level 2 is listed but absent at build (2 levels): nothing is coarsened and a fixed-size
+    layer is fine; options with 3 levels bring it in and are refused naming the layer."""
+    net = LayerParallelResNet.build(lambda k: FlatLinear(), 8, (2, 7, 7),
+                                    spatial=SpatialCoarsening(levels=(2,)),
+                                    forward=cases.options(2, True), backward=cases.options(2, True))
+    ref = serial_resnet(lambda k: FlatLinear(), 8)
+    assert torch.allclose(net(_x(2, 2, 7, 7)), ref(_x(2, 2, 7, 7)), atol=1e-12)
+    with pytest.raises(ValueError, match=r"layer 0 \(FlatLinear\) cannot run .* level 2"):
+        net.set_options(forward=cases.options(3, True))
