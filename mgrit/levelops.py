@@ -317,12 +317,17 @@ class LevelOps:
         st.u[sl] = st.u[sl] + self.up(coarse.u - coarse.v, coarse)
 
     def inject(self, st: LevelState, coarse: LevelState) -> None:
-        """Interpolation by injection (nested iteration): ``u_{km} <- u^c_k``."""
+        """Interpolation by injection (nested iteration): ``u_{km} <- u^c_k`` (prolonged in
+        space on a coarsened level; point 0, the initial value, is kept)."""
         if st.lv.n_local == 0:
             return
         st.cache = None
         if coarse.lv.n_local:
-            st.u[_sl(st.lv.c_points(), st.lv.lo)] = self.up(coarse.u, coarse)
+            sl = _sl(st.lv.c_points(), st.lv.lo)
+            up = self.up(coarse.u, coarse)
+            if up is not coarse.u and st.lv.lo == 0:
+                up[0] = st.u[0]
+            st.u[sl] = up
 
     def coarse_solve(self, st: LevelState) -> None:
         """Sequential sweep ``u_j = Phi(u_{j-1}) + g_j`` over the level, pipelined across

@@ -335,3 +335,17 @@ def test_set_options_with_new_levels_checks_them():
     assert torch.allclose(net(_x(2, 2, 7, 7)), ref(_x(2, 2, 7, 7)), atol=1e-12)
     with pytest.raises(ValueError, match=r"layer 0 \(FlatLinear\) cannot run .* level 2"):
         net.set_options(forward=cases.options(3, True))
+
+
+def test_nested_iteration_keeps_the_initial_value():
+    """Nested iteration prolongs the coarse solution in space; the fine initial value (point 0)
+    is kept, so the exact solve still equals serial (2 and 3 levels, two coarsened)."""
+    make = lambda k: cases.conv_step(2)  # noqa: E731
+    for levels in (2, 3):
+        o = MGRITOptions(max_levels=levels, cfactor=2, min_coarse=1, tol=1e-13, max_iter=80,
+                         nested_iteration=True)
+        net = LayerParallelResNet.build(make, cases.N, (2, 7, 7), T=cases.T, forward=o,
+                                        backward=o, spatial=SpatialCoarsening(levels=(1, 2)))
+        from mpi4py import MPI
+        assert cases.compare(net, serial_resnet(make, cases.N, T=cases.T), (2, 7, 7),
+                             MPI.COMM_SELF) <= cases.TOL
