@@ -349,3 +349,20 @@ def test_nested_iteration_keeps_the_initial_value():
         from mpi4py import MPI
         assert cases.compare(net, serial_resnet(make, cases.N, T=cases.T), (2, 7, 7),
                              MPI.COMM_SELF) <= cases.TOL
+
+
+@pytest.mark.parametrize("extra", [dict(skip_first_relaxation=True), dict(cycle="F"),
+                                   dict(c_weight=0.8, relax="FCFCF")])
+def test_cycle_options_stay_exact(extra):
+    """XBraid's skip (copy down), F-cycles, weighted C-relaxation with two sweeps, and a warm
+    start from the previous forward: still serial's solution with spatial coarsening."""
+    make = lambda k: cases.conv_step(2)  # noqa: E731
+    o = MGRITOptions(max_levels=3, cfactor=2, min_coarse=1, tol=1e-13, max_iter=80, **extra)
+    net = LayerParallelResNet.build(make, cases.N, (2, 8, 8), T=cases.T, forward=o, backward=o,
+                                    spatial=SpatialCoarsening(levels=(1, 2)), warm_start=True)
+    from mpi4py import MPI
+    serial = serial_resnet(make, cases.N, T=cases.T)
+    for seed in (0, 5):  # the second forward starts from the first one's states
+        for p in [*net.parameters(), *serial.parameters()]:
+            p.grad = None
+        assert cases.compare(net, serial, (2, 8, 8), MPI.COMM_SELF, seed=seed) <= cases.TOL
