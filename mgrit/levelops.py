@@ -19,6 +19,10 @@ temporary and its copy (:class:`mgrit.nn.chains.ForwardChain` does).
 
 The level equations are FAS equations ``u_j = Phi(u_{j-1}) + g_j`` (``g = 0`` on the finest
 level, where ``g`` is ``None``); point 0 holds the initial value and is never updated.
+
+Spatial coarsening (:mod:`mgrit.spatial`): a coarsened level has its own state shape and
+messages; restriction is C-point injection then the spatial ``R`` (:meth:`LevelOps.down`), the
+correction is prolonged by the spatial ``P`` (:meth:`LevelOps.up`) before the F-relaxation.
 """
 from __future__ import annotations
 
