@@ -214,7 +214,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self._bsolver = MGRIT(self._chain, n_layers, options=self.bwd_opts,
                               partition=self.partition.reversed(),
                               spatial=None if spatial is None else spatial.transposed(), **kw)
-        raise_agreed(self.comm, spatial_error(self))  # sizes, operators, coarse-size probes
+        if spatial is not None:  # sizes, operators, coarse-size probes (agreed)
+            raise_agreed(self.comm, spatial_error(self))
         self.warm_start_adjoint = bool(warm_start_adjoint)
         self._warm = self._warm_adj = None
         self.last_forward = self.last_backward = None
