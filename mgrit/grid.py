@@ -18,10 +18,12 @@ the rank holding layer ``i`` then owns adjoint ``lambda_{i+1}``.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Partition", "Level", "Hierarchy", "coarsening_factors"]
+__all__ = ["Partition", "Level", "Hierarchy", "coarsening_factors", "warn_single_level"]
 
 
 class Partition:
@@ -205,3 +207,21 @@ class Hierarchy:
         desc = ", ".join(f"L{lv.index}: N={lv.n_intervals} own [{lv.lo},{lv.hi})"
                          for lv in self.levels)
         return f"Hierarchy(rank={self.rank}, {desc})"
+
+
+_single_level_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def warn_single_level(propagator, n: int, cfactor: int, min_coarse: int) -> None:
+    """The UserWarning of an MGRIT whose hierarchy has a single level, once per ``propagator``
+    and setting (a segment builds a forward and an adjoint solver over one propagator)."""
+    try:
+        seen = _single_level_warned.setdefault(propagator, set())
+    except TypeError:  # not weak-referenceable: warn every time
+        seen = set()
+    if (n, cfactor, min_coarse) in seen:
+        return
+    seen.add((n, cfactor, min_coarse))
+    warnings.warn(f"MGRIT with N={n}, cfactor={cfactor}, min_coarse={min_coarse} has a single "
+                  f"level: it reduces to sequential stepping (pipelined across ranks); use a "
+                  f"smaller cfactor or min_coarse", stacklevel=3)

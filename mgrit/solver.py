@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -48,30 +47,15 @@ from mpi4py import MPI
 from .collective import guarded
 from .comm import Exchanger, raise_agreed
 from .convergence import UnconvergedError, UnconvergedWarning, met, not_converged
-from .grid import Hierarchy, Partition
+from .grid import Hierarchy, Partition, warn_single_level
 from .levelops import LevelOps, LevelState
 from .options import MGRITOptions
 from .propagator import Propagator
 from .result import MGRITResult
+from .spatial import level_shapes
 from .stats import SolverStats
 
 __all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
-
-_single_level_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _first_single_level_warning(propagator, key) -> bool:
-    """Whether the single-level warning for ``key`` is this ``propagator``'s first (a
-    segment builds a forward and an adjoint solver over one propagator: one warning)."""
-    try:
-        seen = _single_level_warned.setdefault(propagator, set())
-    except TypeError:  # not weak-referenceable: warn every time
-        return True
-    if key in seen:
-        return False
-    seen.add(key)
-    return True
-
 
 class MGRIT:
     """FAS-MGRIT solver for one chain, distributed over the ranks of ``comm``.
@@ -89,6 +73,10 @@ class MGRIT:
             ``MPI.COMM_SELF``: serial). The solver communicates on nothing else.
         partition: ownership of fine points (default :meth:`Partition.even`). Every rank
             must pass an identical partition.
+        spatial: ``None`` (default) or a :class:`~mgrit.spatial.SpatialCoarsening` (or its
+            :meth:`~mgrit.spatial.SpatialCoarsening.transposed`): the states of its levels live
+            on coarser grids; states are then ``(batch, C, *spatial)`` and the propagator's
+            coarse steps receive coarse states. The fixed point does not change.
 
     Raises:
         ValueError: bad ``n_intervals`` (< 1 or < P), a non-floating dtype, a partition that
@@ -99,7 +87,7 @@ class MGRIT:
     def __init__(self, propagator: Propagator, n_intervals: int, state_shape: Sequence[int] = (),
                  dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
                  options: MGRITOptions | None = None, comm: MPI.Comm | None = None,
-                 partition: Partition | None = None):
+                 partition: Partition | None = None, spatial=None):
         if not isinstance(propagator, Propagator):
             raise ValueError(f"propagator must be a mgrit.Propagator, got {type(propagator).__name__}")
         if isinstance(n_intervals, bool) or not isinstance(n_intervals, int) or n_intervals < 1:
@@ -127,16 +115,16 @@ class MGRIT:
         self.device = torch.device(device)
         self.options = options
         self.partition = partition
+        if spatial is not None and not all(callable(getattr(spatial, m, None)) for m in
+                                           ("coarsens", "restrict", "prolong", "level_shapes")):
+            raise ValueError(f"spatial={spatial!r} is not allowed: use a "
+                             f"mgrit.spatial.SpatialCoarsening or None")
+        self.spatial = spatial
         self.hierarchy = Hierarchy(partition, self.rank, options.cfactor, options.max_levels,
                                    options.min_coarse)
         self.root = partition.owner(0)
-        if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0 \
-                and _first_single_level_warning(propagator, (n_intervals, options.cfactor,
-                                                             options.min_coarse)):
-            warnings.warn(f"MGRIT with N={n_intervals}, cfactor={options.cfactor}, min_coarse="
-                          f"{options.min_coarse} has a single level: it reduces to sequential "
-                          f"stepping (pipelined across ranks); use a smaller cfactor or min_coarse",
-                          stacklevel=2)
+        if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0:
+            warn_single_level(propagator, n_intervals, options.cfactor, options.min_coarse)
         self.stats = SolverStats()  # accumulated over all solves
         #: ``None`` (default) or a recorder with the hooks of :class:`mgrit.perf.trace.Tracer`:
         #: each solve then records this rank's operations, messages and collectives.
@@ -239,14 +227,17 @@ class MGRIT:
             stats.tracer, prop = tracer, tracer.begin_solve(self)
         shape = self.check_input(u0, initial_guess, state_shape, stats)
         ex = Exchanger(self.comm, shape, self.dtype, self.device, stats)
-        ops = LevelOps(prop, ex, stats, opts.batched, float(opts.c_weight))
+        ops = LevelOps(prop, ex, stats, opts.batched, float(opts.c_weight), self.spatial,
+                       level_shapes(self.spatial, shape, len(levels)))
         self._ops, self._stats = ops, stats
-        self._st = [LevelState(lv, shape, self.dtype, self.device, with_rhs=lv.index > 0,
-                               zero=lv.index > 0) for lv in levels]
+        self._st = [LevelState(lv, ops.state_shape(lv.index), self.dtype, self.device,
+                               with_rhs=lv.index > 0, zero=lv.index > 0) for lv in levels]
         self._initialize(self._st[0], initial_guess)
         if self.rank == self.root:
+            x = u0.unsqueeze(0)
             for st in self._st:
-                st.u[0] = u0
+                x = x if st.lv.index == 0 else ops.down(x, st)
+                st.u[0] = x[0]
         result = MGRITResult(self._st[0].u, levels[0].lo, levels[0].hi, stats=stats)
         if len(levels) == 1:
             with stats.timed("coarse"):
@@ -277,7 +268,7 @@ class MGRIT:
                     raise FloatingPointError(f"MGRIT residual is {res} after cycle {it} "
                                              f"(history {result.residuals}): the iteration diverged")
                 result.converged = met(opts, res, result.state_norm)
-        ex.waitall()
+        ops.waitall()
         self.stats += stats
         if tracer is not None:
             tracer.end_solve(stats)
@@ -362,7 +353,7 @@ class MGRIT:
                 nan = np.isnan(local[:2])
                 local[2] = float(nan.any())
                 local[:2][nan] = np.inf
-            self._ops.ex.waitall()
+            self._ops.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
                 t0 = time.perf_counter() if stats.tracer is not None else 0.0

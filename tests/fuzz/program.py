@@ -34,6 +34,7 @@ FEATURES = frozenset({
     "freeze_pending",    # found by the fuzzer: freezing a parameter while a graph is pending
     "stacked_leaves",    # issue 34: LayerParallelResNet(stacked_parameters=True) segments
     "stacked_always",    # opt-in: every eligible spec stacked (a campaign aimed at the mode)
+    "spatial",           # issue 35: spatial coarsening of the coarse level (conv kind)
 }) | paths_autograd.FEATURES  # issue 36: transforms (input_grad, functional_call, ...)
 
 #: THE SWITCH: features main gets wrong. Generated only when asked for (``--enable``); delete
@@ -88,6 +89,11 @@ def generate_spec(c, enabled=frozenset()) -> dict:
     if always or ("stacked_leaves" in enabled and kind != "gru" and spec["levels"] == 2
                   and not spec["compiled"] and c.bool(0.4)):
         spec.update(stacked=True, layers=6, levels=2)
+    if kind == "conv" and "spatial" in enabled and not spec.get("stacked") \
+            and c.bool(0.5):  # drawn last: other specs keep
+        spec["spatial"] = {"grid": c.pick(["cell", "vertex"]),    # their seeds' programs
+                           "restrict": c.pick(["full_weighting", "injection"]),
+                           "prolong": c.pick(["linear", "constant"])}
     return spec
 
 
@@ -177,8 +183,8 @@ def dumps(program: dict) -> str:
 
 
 # -- shrinking (multi-rank runs; Hypothesis shrinks the 1-rank ones) ----------------------------
-SIMPLER = (("compiled", False), ("stacked", False), ("dp", 1), ("norm", "l2"), ("levels", 1),
-           ("step", "shipped"), ("kind", "dense"), ("layers", 4))
+SIMPLER = (("spatial", None), ("compiled", False), ("stacked", False), ("dp", 1),
+           ("norm", "l2"), ("levels", 1), ("step", "shipped"), ("kind", "dense"), ("layers", 4))
 
 
 def shrink(program: dict, fails, budget: int = 60) -> dict:

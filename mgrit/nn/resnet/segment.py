@@ -63,7 +63,8 @@ from .controls import SolverControls
 from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
-from .stacked_leaves import StackedLeaves, stacking_error
+from .stacked_leaves import install_leaves
+from .spatial import spatial_error
 from .structure import StepStructure
 from .tiespec import tie_groups
 
@@ -121,6 +122,14 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             is the unstacked model's. ValueError (every rank) with ``tie``,
             ``adjoint="serial"``, unbatched or one-level solves, < 2 layers per rank, layers
             that cannot be batched, shared or unlike parameters.
+        spatial: ``None`` (default) or a :class:`mgrit.spatial.SpatialCoarsening`: the
+            coarse levels it lists run on coarser feature maps (``state_shape`` ``(C, L)``,
+            ``(C, H, W)`` or ``(C, D, H, W)``), in the forward and (transposed operators) the
+            adjoint solve; a coarse step is the layer's module applied to the coarse state
+            with the coarse step size. BatchNorm on a coarse level: batch statistics of the
+            coarse state, running statistics never updated there. ValueError (every rank):
+            sizes that do not coarsen, bad user operators, a layer that cannot run at a
+            coarse size (e.g. a Linear over flattened pixels), naming it.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -151,7 +160,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                  adjoint: str = "mgrit", warm_start: bool | None = None,
                  partition: Partition | None = None, warm_start_adjoint: bool = False,
                  tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None,
-                 stacked_parameters: bool = False):
+                 stacked_parameters: bool = False, spatial=None):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -205,7 +214,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self.is_first, self.is_last = a == 0, min(b, n_layers) == n_layers
         self._leaves = None
         if stacked_parameters:
-            self._install_leaves(tie)
+            install_leaves(self, tie, spatial)
         self._chain = ForwardChain(self.steps, a, self.h, batched=self.fwd_opts.batched)
         if self._leaves is not None:
             self._chain.leaves = self._leaves
@@ -213,11 +222,15 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             raise_agreed(self.comm, None if self._chain.batched else
                          f"stacked_parameters=True needs batched layers: "
                          f"{self._chain.batching_obstacle}")
+        self.spatial = spatial
         kw = dict(dtype=self.dtype, device=self.device, comm=self.comm)
         self._fsolver = MGRIT(self._chain, n_layers, options=self.fwd_opts,
-                              partition=self.partition, **kw)
+                              partition=self.partition, spatial=spatial, **kw)
         self._bsolver = MGRIT(self._chain, n_layers, options=self.bwd_opts,
-                              partition=self.partition.reversed(), **kw)
+                              partition=self.partition.reversed(),
+                              spatial=None if spatial is None else spatial.transposed(), **kw)
+        if spatial is not None:  # sizes, operators, coarse-size probes (agreed)
+            raise_agreed(self.comm, spatial_error(self))
         self.warm_start_adjoint = bool(warm_start_adjoint)
         self._warm = self._warm_adj = None
         self.last_forward = self.last_backward = None
@@ -227,30 +240,11 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self._fingerprint = Fingerprint(self.steps, training=self._reads_training())
         compile_neutral_keys(self)  # state-dict keys without torch.compile's "_orig_mod."
 
-    def _install_leaves(self, tie) -> None:
-        """``stacked_parameters=True``: the checks (agreed), then the stacked leaves and the
-        state-dict hooks that keep the unstacked model's keys."""
-        o = self.fwd_opts, self.bwd_opts
-        error = ("stacked_parameters=True with tie=... is not supported" if tie is not None else
-                 "stacked_parameters=True needs adjoint='mgrit'" if self.adjoint != "mgrit" else
-                 "stacked_parameters=True needs batched solves (MGRITOptions(batched=True))"
-                 if not (o[0].batched and o[1].batched) else
-                 "stacked_parameters=True needs multilevel solves (max_levels >= 2)"
-                 if o[1].max_levels < 2 or o[0].max_levels < 2 else
-                 stacking_error(self.steps, self.first))
-        raise_agreed(self.comm, error)
-        self._leaves = StackedLeaves(self.steps, self.first)
-        self.stacked = self._leaves.holder
-        self._register_state_dict_hook(self._leaves.state_dict_hook)
-        self._register_load_state_dict_pre_hook(self._leaves.load_pre_hook, with_module=True)
-        self.register_load_state_dict_post_hook(self._leaves.load_post_hook)
-        self._collect_parameters()
-
     @classmethod
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,
               state_shape: Sequence[int], comm: MPI.Comm | None = None, seed: int = 0,
               tie: Callable[[int], Hashable] | Sequence[Hashable] | Mapping | None = None,
-              **kwargs) -> "LayerParallelResNet":
+              spatial=None, **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
         weights do not depend on the number of ranks) and wrap them. The caller's RNG states
         (CPU, and CUDA when initialized) are the same after ``build`` as before: whatever is
@@ -270,7 +264,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         ``make_step(k)`` (ValueError on every rank otherwise): a parameter made elsewhere may be
         shared with layers of other ranks, where each rank would train its own copy (declare
         it with ``tie``). To start from given weights, build and then
-        :meth:`load_global_state_dict`."""
+        :meth:`load_global_state_dict`. ``spatial``: as the class's."""
         comm = MPI.COMM_SELF if comm is None else comm
         part = kwargs.pop("partition", None) or Partition.even(n_layers, comm.Get_size())
         a, b = part.block(comm.Get_rank())
@@ -288,7 +282,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                 f"P = {comm.Get_size()} layer ranks a parameter shared between layers would be "
                 f"a separate copy on every rank; create each layer's parameters inside "
                 f"make_step, declare the sharing with tie=..., or use P = 1"))
-        return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
+        return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie,
+                   spatial=spatial, **kwargs)
 
     # -- autograd bridge ----------------------------------------------------------------
     @compile_disabled  # torch.compile: a graph break, the solve runs eagerly (chains.transforms)

@@ -41,10 +41,11 @@ import operator
 import torch
 from torch import nn
 
+from ...comm import raise_agreed
 from ..chains.compiled import plain_module
 from ..chains.contract import quiet
 
-__all__ = ["StackedLeaves", "stacking_error", "with_layer_parameters"]
+__all__ = ["StackedLeaves", "stacking_error", "with_layer_parameters", "install_leaves"]
 
 
 def with_layer_parameters(method):
@@ -297,3 +298,25 @@ class StackedLeaves:
             for k in keys:
                 incompatible.missing_keys.append(k)
         self._missing = []
+
+
+def install_leaves(model, tie, spatial) -> None:
+    """``LayerParallelResNet(stacked_parameters=True)``: the checks (agreed over
+    ``model.comm``), then the stacked leaves and the state-dict hooks that keep the unstacked
+    model's keys."""
+    o = model.fwd_opts, model.bwd_opts
+    error = ("stacked_parameters=True with tie=... is not supported" if tie is not None else
+             "stacked_parameters=True with spatial=... is not supported" if spatial is not None
+             else "stacked_parameters=True needs adjoint='mgrit'" if model.adjoint != "mgrit" else
+             "stacked_parameters=True needs batched solves (MGRITOptions(batched=True))"
+             if not (o[0].batched and o[1].batched) else
+             "stacked_parameters=True needs multilevel solves (max_levels >= 2)"
+             if o[1].max_levels < 2 or o[0].max_levels < 2 else
+             stacking_error(model.steps, model.first))
+    raise_agreed(model.comm, error)
+    model._leaves = StackedLeaves(model.steps, model.first)
+    model.stacked = model._leaves.holder
+    model._register_state_dict_hook(model._leaves.state_dict_hook)
+    model._register_load_state_dict_pre_hook(model._leaves.load_pre_hook, with_module=True)
+    model.register_load_state_dict_post_hook(model._leaves.load_post_hook)
+    model._collect_parameters()
