@@ -35,10 +35,12 @@ def _opening_closing(cfg, in_shape, num_classes):
                                 activation(cfg.activation))
         state_shape = (cfg.width,)
     else:
-        if len(in_shape) != 3:
-            raise ValueError(f"--step {cfg.step} needs image data (C, H, W); the data set has "
-                             f"samples of shape {in_shape}: use --step dense")
-        opening = nn.Sequential(nn.Conv2d(in_shape[0], cfg.channels, 3, padding=1),
+        if len(in_shape) not in (3, 4):
+            raise ValueError(f"--step {cfg.step} needs image data (C, H, W) or voxel data "
+                             f"(C, D, H, W); the data set has samples of shape {in_shape}: use "
+                             f"--step dense")
+        conv = nn.Conv2d if len(in_shape) == 3 else nn.Conv3d
+        opening = nn.Sequential(conv(in_shape[0], cfg.channels, 3, padding=1),
                                 activation(cfg.activation))
         state_shape = (cfg.channels, *in_shape[1:])
     torch.manual_seed(cfg.seed + CLOSING_SEED)
@@ -48,7 +50,8 @@ def _opening_closing(cfg, in_shape, num_classes):
 
 def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     """The main job's network: opening (``Linear`` + activation for ``--step dense``, a 3x3
-    convolution + activation otherwise) -> ``cfg.layers`` residual steps
+    convolution + activation otherwise: ``Conv2d`` for images ``(C, H, W)``, ``Conv3d`` for
+    voxels ``(C, D, H, W)``, whose steps are then 3-D) -> ``cfg.layers`` residual steps
     ``x + (T/N) F_k(x)`` (``make_step(cfg.step, features, cfg.activation, cfg.kernel)``, layer
     ``k`` seeded with :func:`~mgrit.nn.resnet.layer_seed`) -> flatten + ``Linear`` closing.
     Layer-parallel: MGRIT options from :func:`mgrit_options`, ``cfg.adjoint``,
@@ -57,7 +60,9 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     replica kept identical (:mod:`mgrit.nn.resnet.tied`). ``form="layers"``: ``[opening,
     ResidualStep(F_0), ...]`` (no closing; layer-wise training adds heads)."""
     opening, closing, state_shape = _opening_closing(cfg, in_shape, num_classes)
-    make = lambda k: make_step(cfg.step, _features(cfg), cfg.activation, cfg.kernel)  # noqa: E731
+    dims = len(state_shape) - 1 if cfg.step != "dense" else 2  # conv steps: 2-D or 3-D states
+    make = lambda k: make_step(cfg.step, _features(cfg), cfg.activation, cfg.kernel,  # noqa: E731
+                               dims=dims)
     tie = (lambda k: 0) if getattr(cfg, "tied", False) else None  # one module, layer 0's seed
     if form == "layers" and tie is not None:
         raise ValueError("--tied has no layer-wise form: use --method mgrit or serial")
