@@ -29,7 +29,7 @@ __all__ = ["validate", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS"
            "DEVICES", "OPTIMIZER_NAMES"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
-BUNDLED = ("mnist5k", "digits", "peaks")
+BUNDLED = ("mnist5k", "digits", "peaks", "voxels", "voxels31")
 #: ``--bias-monitor`` choices: off, or a :class:`~mgrit.training.bias.BiasMonitor` action.
 BIAS_ACTIONS = ("off", "log", "raise", "serial")
 #: ``--device`` choices (mgrit.parallel.device_for_rank for auto / cuda).
