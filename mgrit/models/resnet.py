@@ -14,7 +14,7 @@ from torch import nn
 from ..nn import (LayerParallelNet, LayerParallelResNet, ResidualStep, layer_seed, make_step,
                   serial_resnet)
 from ..nn.steps import activation
-from .options import mgrit_options
+from .options import mgrit_options, spatial_option
 
 __all__ = ["build_resnet", "CLOSING_SEED"]
 
@@ -55,7 +55,8 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
     ``x + (T/N) F_k(x)`` (``make_step(cfg.step, features, cfg.activation, cfg.kernel)``, layer
     ``k`` seeded with :func:`~mgrit.nn.resnet.layer_seed`) -> flatten + ``Linear`` closing.
     Layer-parallel: MGRIT options from :func:`mgrit_options`, ``cfg.adjoint``,
-    ``cfg.warm_start``, ``cfg.warm_start_adjoint``. ``cfg.tied`` (optional, default False):
+    ``cfg.warm_start``, ``cfg.warm_start_adjoint``, spatial coarsening from
+    :func:`~mgrit.models.options.spatial_option` (``cfg.spatial_coarsening``). ``cfg.tied`` (optional, default False):
     every layer uses one step module (``tie=lambda k: 0``; made as layer 0's), on every rank a
     replica kept identical (:mod:`mgrit.nn.resnet.tied`). ``form="layers"``: ``[opening,
     ResidualStep(F_0), ...]`` (no closing; layer-wise training adds heads)."""
@@ -76,8 +77,10 @@ def build_resnet(cfg, in_shape, num_classes, comm=None, form="network"):
         return nn.Sequential(opening, *serial_resnet(make, cfg.layers, T=cfg.T, seed=cfg.seed,
                                                      tie=tie), closing)
     fwd, bwd = mgrit_options(cfg)
+    spatial = spatial_option(cfg)  # keyword only when set: time-only builds stay as they were
     resnet = LayerParallelResNet.build(make, cfg.layers, state_shape, comm=comm, seed=cfg.seed,
                                        T=cfg.T, forward=fwd, backward=bwd, adjoint=cfg.adjoint,
                                        warm_start=cfg.warm_start,
-                                       warm_start_adjoint=cfg.warm_start_adjoint, tie=tie)
+                                       warm_start_adjoint=cfg.warm_start_adjoint, tie=tie,
+                                       **({} if spatial is None else {"spatial": spatial}))
     return LayerParallelNet(opening, resnet, closing)
