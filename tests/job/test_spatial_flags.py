@@ -66,7 +66,7 @@ def test_spatial_option_of_a_config(parser):
     s = spatial_option(parser.parse_config(CONV + ["--spatial-coarsening", "1,2",
                                                    "--spatial-prolong", "constant"], 1))
     assert isinstance(s, SpatialCoarsening)
-    assert tuple(s.levels) == (1, 2) and s.restrict == "full_weighting" and s.prolong == "constant"
+    assert tuple(s.levels) == (1, 2) and s.restrict_kind == "full_weighting" and s.prolong_kind == "constant"
 
 
 @pytest.mark.slow  # two whole jobs in this process (a few seconds)
