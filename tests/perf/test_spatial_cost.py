@@ -56,3 +56,13 @@ def test_step_time_and_plan_know_the_coarse_cost():
     p1 = plan(64, 4, costs, cfactors=(2, 4, 8), spatial=((15, 15, 15), "all"))
     assert p1.times["mgrit"]["train"] < p0.times["mgrit"]["train"]
     assert math.isfinite(p1.speedup_vs_serial)
+
+
+def test_level_cost_matches_the_solvers_level_shapes():
+    """The cost model's grids are the solver's (mgrit.spatial's grid="auto" level shapes)."""
+    sp = pytest.importorskip("mgrit.spatial")
+    for shape, levels in (((4, 15, 15, 15), (1,)), ((4, 15, 15, 15), (1, 2)),
+                          ((2, 28, 28), (1, 2)), ((2, 28, 28), (2,)), ((3, 31), (1, 2))):
+        shapes = sp.SpatialCoarsening(levels=levels).level_shapes(shape, 3)
+        want = tuple(math.prod(s[1:]) / math.prod(shape[1:]) for s in shapes)
+        assert spatial_level_cost(shape[1:], levels, 3) == pytest.approx(want, rel=1e-15)
