@@ -172,7 +172,7 @@ def where_it_pays(meas: dict) -> list:
 
 def report(a, base: Path) -> None:
     """table.md, summary.md, convergence.png, headline.json from the stored parts."""
-    from experiments.benchmarks.baselines_common import timing_table
+    from experiments.benchmarks.baselines_common import cell, timing_table
     from experiments.records import records
     from experiments.reports import seeds as rseeds
     meas = json.loads((base / "measurements.json").read_text())
@@ -192,10 +192,21 @@ def report(a, base: Path) -> None:
     L += [f"| {r['config']} | {r['m']} | {r['L']} | {r['arm']} | {r['grad_error']:.3e} |"
           for r in meas["gradient"]]
     for name, series in meas["timing"].items():
-        lines, best, _ = timing_table(series, [k for k in series if k.startswith("serial")],
-                                      unit="ms CPU", default_err="-")
-        L += ["", f"## CPU time per rank: {name} (largest over the ranks; serial: "
-              f"{meas['notes'][name]})", "", *lines]
+        errors = {f"step: m = {r['m']}, L = {r['L']}, {r['arm']}, P = {P}":
+                  f"{r['grad_error']:.2e}" for r in meas["gradient"] if r["config"] == name
+                  for P in (1, 2)}
+        steps = {k: v for k, v in series.items() if not k.startswith("cycle: ")}
+        lines, best, _ = timing_table(steps, [k for k in steps if k.startswith("serial")],
+                                      errors=errors, unit="ms CPU", default_err="-")
+        L += ["", f"## CPU time per training step: {name} (per rank, the largest over the "
+              f"ranks; serial: {meas['notes'][name]})", "", *lines, "",
+              f"## CPU time of one forward cycle: {name} (no_grad, solve set-up included)", "",
+              "| option | time [ms CPU]: median [IQR] | vs time-only (same L, P) |", "|---|---|---|"]
+        for k, v in series.items():
+            if k.startswith("cycle: "):
+                ref = series[k.replace(k.split(", ")[2], "time-only")]
+                ratio = spread(v)["median"] / spread(ref)["median"]
+                L.append(f"| {k[7:]} | {cell(v, 1e3)} | {ratio:.2f}x |")
     pays = where_it_pays(meas)
     L += ["", "## Where spatial coarsening pays (forward residual 10^6-fold, 2 ranks)", "",
           "| configuration | L | arm | factor | cycles | cycle [ms CPU] | time vs time-only |",
