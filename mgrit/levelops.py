@@ -43,6 +43,16 @@ def _sl(r: range, lo: int) -> slice:
     return slice(r.start - lo, r[-1] - lo + 1, r.step)
 
 
+class _PerLevel:
+    """The one exchanger of every level (no spatial coarsening)."""
+
+    def __init__(self, ex: Exchanger):
+        self.ex = ex
+
+    def __getitem__(self, level: int) -> Exchanger:
+        return self.ex
+
+
 class LevelState:
     """States ``u`` (and FAS right-hand side ``g`` on coarse levels) of one rank on one level.
 
@@ -70,14 +80,27 @@ class LevelOps:
         stats: counters to update.
         batched: use ``prop.step_batch`` for several intervals at once.
         c_weight: weight of C-relaxation.
+        spatial: ``None`` or the spatial coarsening (:mod:`mgrit.spatial`) of the levels;
+            ``shapes``: then the per-sample state shape of every level (``None``: every level
+            has ``ex``'s shape); each level then exchanges messages of its own shape.
     """
 
     def __init__(self, prop: Propagator, ex: Exchanger, stats: SolverStats, batched: bool,
-                 c_weight: float):
+                 c_weight: float, spatial=None, shapes=None):
         self.prop, self.ex, self.stats = prop, ex, stats
+        self.spatial, self.shapes = (spatial, shapes) if shapes is not None else (None, None)
+        self._ex = _PerLevel(ex)
+        if self.shapes is not None:
+            by_shape = {ex.shape: ex}
+            self._ex = [by_shape.setdefault(torch.Size((ex.shape[0], *s)), Exchanger(
+                ex.comm, (ex.shape[0], *s), ex.dtype, ex.device, stats)) for s in shapes]
         self.batched = batched and prop.batched
         self._into = getattr(prop, "step_batch_into", None) if self.batched else None
         self.c_weight = c_weight
+
+    def state_shape(self, level: int) -> torch.Size:
+        """The state shape (with the batch dim) of ``level``."""
+        return self.ex.shape if self.shapes is None else self._ex[level].shape
 
     # -- steps ---------------------------------------------------------------------------
     def phi_one(self, st: LevelState, j: int) -> torch.Tensor:
@@ -137,7 +160,7 @@ class LevelOps:
         tag = _tag(_TAG_F, lv.index)
         send = lv.next is not None and hi % m != 0
         recv = lo % m != 0
-        req = self.ex.irecv(lv.prev, tag) if recv else None
+        req = self._ex[lv.index].irecv(lv.prev, tag) if recv else None
         first_c = -(-lo // m) * m
         stop = hi + 1 if send else hi  # targets beyond hi - 1 go to the next rank
         if first_c < hi and stop - first_c <= m:  # one interval here: a plain sweep
@@ -152,7 +175,7 @@ class LevelOps:
                     continue
                 targets = range(first_c + k, stop, m)
                 out = self.phi(st, sources)
-                self.ex.isend(out[-1], lv.next, tag)  # the step reaching hi: next rank's
+                self._ex[lv.index].isend(out[-1], lv.next, tag)  # the step reaching hi: next rank's
                 targets, out = targets[:-1], out[:-1]
                 if len(targets):
                     self._set(st, targets, out)
@@ -164,7 +187,7 @@ class LevelOps:
                 if j + 1 < end:
                     incoming = self.phi_one(st, j)
             if end == hi and send:
-                self.ex.isend(self.phi_one(st, hi - 1), lv.next, tag)
+                self._ex[lv.index].isend(self.phi_one(st, hi - 1), lv.next, tag)
 
     def _f_sweep(self, st: LevelState, c: int, stop: int, tag: int) -> None:
         """F-relaxation of the single interval starting at this rank's C-point ``c``, step by
@@ -178,7 +201,7 @@ class LevelOps:
             out = step(u, (j - 1) * s, j * s, level)
             self.stats.steps_single += 1
             if j == hi:
-                self.ex.isend(out, lv.next, tag)
+                self._ex[lv.index].isend(out, lv.next, tag)
                 break
             u = out if g is None else out + g[j - lo]
             st.u[j - lo] = u
@@ -198,13 +221,13 @@ class LevelOps:
         targets = range(first_t, hi, mod)
         send = lv.next is not None and hi % mod == 0
         recv = first_t == lo
-        req = self.ex.irecv(lv.prev, tag) if recv else None
+        req = self._ex[lv.index].irecv(lv.prev, tag) if recv else None
         local = range(first_t + mod if recv else first_t, hi + 1 if send else hi, mod)
         parts = []
         if len(local):
             out = self.phi(st, range(local.start - 1, local.stop - 1, mod))
             if send:
-                self.ex.isend(out[-1], lv.next, tag)
+                self._ex[lv.index].isend(out[-1], lv.next, tag)
                 out = out[:-1]
             parts.append(out)
         if recv:
@@ -226,6 +249,30 @@ class LevelOps:
         w = self.c_weight
         st.u[sl] = new if w == 1.0 else w * new + (1.0 - w) * st.u[sl]
 
+    # -- space ---------------------------------------------------------------------------
+    def down(self, x: torch.Tensor, coarse: LevelState) -> torch.Tensor:
+        """Spatial restriction of states ``x`` ``(n, batch, ...)`` of the level above
+        ``coarse`` to ``coarse``'s grid (``x`` itself where that level is not coarsened)."""
+        k = coarse.lv.index
+        if self.spatial is None or not self.spatial.coarsens(k):
+            return x
+        return self.spatial.restrict(x, k, self.shapes[k - 1])
+
+    def up(self, x: torch.Tensor, coarse: LevelState) -> torch.Tensor:
+        """Spatial prolongation of ``coarse``'s states ``x`` to the grid of the level above."""
+        k = coarse.lv.index
+        if self.spatial is None or not self.spatial.coarsens(k):
+            return x
+        return self.spatial.prolong(x, k, self.shapes[k - 1])
+
+    def waitall(self) -> None:
+        """Complete the pending sends of every level's exchanger."""
+        if isinstance(self._ex, _PerLevel):
+            self.ex.waitall()
+            return
+        for ex in {id(e): e for e in self._ex}.values():
+            ex.waitall()
+
     # -- coarse grid ---------------------------------------------------------------------
     def restrict(self, st: LevelState, coarse: LevelState) -> None:
         """FAS restriction by injection: ``v_k = u_{km}``,
@@ -236,7 +283,7 @@ class LevelOps:
         if coarse.lv.n_local == 0:
             return
         c_pts = st.lv.c_points()
-        coarse.v.copy_(st.u[_sl(c_pts, st.lv.lo)])
+        coarse.v.copy_(self.down(st.u[_sl(c_pts, st.lv.lo)], coarse))
         coarse.u.copy_(coarse.v)
         coarse.cache = None
         ktargets, cphi = self.incoming(coarse, 1)
@@ -244,7 +291,7 @@ class LevelOps:
             return
         sl, ksl = _sl(targets, st.lv.lo), _sl(ktargets, coarse.lv.lo)
         r = phi - st.u[sl] if st.g is None else st.g[sl] - st.u[sl] + phi
-        coarse.g[ksl] = r + coarse.v[ksl] - cphi
+        coarse.g[ksl] = self.down(r, coarse) + coarse.v[ksl] - cphi
 
     def copy_down(self, st: LevelState, coarse: LevelState) -> None:
         """XBraid's skip (``_braid_CopyFineToCoarse``): ``v_k = u^c_k = u_{km}`` and
@@ -254,7 +301,7 @@ class LevelOps:
         that follows sets the fine C-points to the coarse solution."""
         if coarse.lv.n_local == 0:
             return
-        coarse.v.copy_(st.u[_sl(st.lv.c_points(), st.lv.lo)])
+        coarse.v.copy_(self.down(st.u[_sl(st.lv.c_points(), st.lv.lo)], coarse))
         coarse.u.copy_(coarse.v)
         coarse.g.zero_()
         coarse.cache = None
@@ -267,7 +314,7 @@ class LevelOps:
         if coarse.lv.n_local == 0:
             return
         sl = _sl(st.lv.c_points(), st.lv.lo)
-        st.u[sl] = st.u[sl] + (coarse.u - coarse.v)
+        st.u[sl] = st.u[sl] + self.up(coarse.u - coarse.v, coarse)
 
     def inject(self, st: LevelState, coarse: LevelState) -> None:
         """Interpolation by injection (nested iteration): ``u_{km} <- u^c_k``."""
@@ -275,7 +322,7 @@ class LevelOps:
             return
         st.cache = None
         if coarse.lv.n_local:
-            st.u[_sl(st.lv.c_points(), st.lv.lo)] = coarse.u
+            st.u[_sl(st.lv.c_points(), st.lv.lo)] = self.up(coarse.u, coarse)
 
     def coarse_solve(self, st: LevelState) -> None:
         """Sequential sweep ``u_j = Phi(u_{j-1}) + g_j`` over the level, pipelined across
@@ -286,7 +333,7 @@ class LevelOps:
             return
         st.cache = None
         tag = _tag(_TAG_COARSE, lv.index)
-        incoming = self.ex.recv(lv.prev, tag) if lo > 0 else None
+        incoming = self._ex[lv.index].recv(lv.prev, tag) if lo > 0 else None
         # Python lists of row views: per-step tensor indexing dominates for small states
         us = list(st.u.unbind(0))
         gs = st.g.unbind(0) if st.g is not None else None
@@ -299,4 +346,4 @@ class LevelOps:
         self.stats.steps_single += (hi - lo) - (0 if lv.next is not None else 1)
         st.u.copy_(torch.stack(us))
         if lv.next is not None:
-            self.ex.isend(incoming, lv.next, tag)
+            self._ex[lv.index].isend(incoming, lv.next, tag)

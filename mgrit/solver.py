@@ -53,6 +53,7 @@ from .levelops import LevelOps, LevelState
 from .options import MGRITOptions
 from .propagator import Propagator
 from .result import MGRITResult
+from .spatial import level_shapes
 from .stats import SolverStats
 
 __all__ = ["MGRIT", "MGRITResult", "UnconvergedWarning", "UnconvergedError"]
@@ -89,6 +90,10 @@ class MGRIT:
             ``MPI.COMM_SELF``: serial). The solver communicates on nothing else.
         partition: ownership of fine points (default :meth:`Partition.even`). Every rank
             must pass an identical partition.
+        spatial: ``None`` (default) or a :class:`~mgrit.spatial.SpatialCoarsening` (or its
+            :meth:`~mgrit.spatial.SpatialCoarsening.transposed`): the states of its levels live
+            on coarser grids; states are then ``(batch, C, *spatial)`` and the propagator's
+            coarse steps receive coarse states. The fixed point does not change.
 
     Raises:
         ValueError: bad ``n_intervals`` (< 1 or < P), a non-floating dtype, a partition that
@@ -99,7 +104,7 @@ class MGRIT:
     def __init__(self, propagator: Propagator, n_intervals: int, state_shape: Sequence[int] = (),
                  dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
                  options: MGRITOptions | None = None, comm: MPI.Comm | None = None,
-                 partition: Partition | None = None):
+                 partition: Partition | None = None, spatial=None):
         if not isinstance(propagator, Propagator):
             raise ValueError(f"propagator must be a mgrit.Propagator, got {type(propagator).__name__}")
         if isinstance(n_intervals, bool) or not isinstance(n_intervals, int) or n_intervals < 1:
@@ -127,6 +132,11 @@ class MGRIT:
         self.device = torch.device(device)
         self.options = options
         self.partition = partition
+        if spatial is not None and not all(callable(getattr(spatial, m, None)) for m in
+                                           ("coarsens", "restrict", "prolong", "level_shapes")):
+            raise ValueError(f"spatial={spatial!r} is not allowed: use a "
+                             f"mgrit.spatial.SpatialCoarsening or None")
+        self.spatial = spatial
         self.hierarchy = Hierarchy(partition, self.rank, options.cfactor, options.max_levels,
                                    options.min_coarse)
         self.root = partition.owner(0)
@@ -239,14 +249,17 @@ class MGRIT:
             stats.tracer, prop = tracer, tracer.begin_solve(self)
         shape = self.check_input(u0, initial_guess, state_shape, stats)
         ex = Exchanger(self.comm, shape, self.dtype, self.device, stats)
-        ops = LevelOps(prop, ex, stats, opts.batched, float(opts.c_weight))
+        ops = LevelOps(prop, ex, stats, opts.batched, float(opts.c_weight), self.spatial,
+                       level_shapes(self.spatial, shape, len(levels)))
         self._ops, self._stats = ops, stats
-        self._st = [LevelState(lv, shape, self.dtype, self.device, with_rhs=lv.index > 0,
-                               zero=lv.index > 0) for lv in levels]
+        self._st = [LevelState(lv, ops.state_shape(lv.index), self.dtype, self.device,
+                               with_rhs=lv.index > 0, zero=lv.index > 0) for lv in levels]
         self._initialize(self._st[0], initial_guess)
         if self.rank == self.root:
+            x = u0.unsqueeze(0)
             for st in self._st:
-                st.u[0] = u0
+                x = x if st.lv.index == 0 else ops.down(x, st)
+                st.u[0] = x[0]
         result = MGRITResult(self._st[0].u, levels[0].lo, levels[0].hi, stats=stats)
         if len(levels) == 1:
             with stats.timed("coarse"):
@@ -277,7 +290,7 @@ class MGRIT:
                     raise FloatingPointError(f"MGRIT residual is {res} after cycle {it} "
                                              f"(history {result.residuals}): the iteration diverged")
                 result.converged = met(opts, res, result.state_norm)
-        ex.waitall()
+        ops.waitall()
         self.stats += stats
         if tracer is not None:
             tracer.end_solve(stats)
@@ -362,7 +375,7 @@ class MGRIT:
                 nan = np.isnan(local[:2])
                 local[2] = float(nan.any())
                 local[:2][nan] = np.inf
-            self._ops.ex.waitall()
+            self._ops.waitall()
             if self.comm.Get_size() > 1:
                 stats.allreduces += 1
                 t0 = time.perf_counter() if stats.tracer is not None else 0.0

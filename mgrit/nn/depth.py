@@ -206,6 +206,7 @@ def _rebuilt_segment(seg: LayerParallelResNet, n_new: int, overrides: dict) -> L
     inexact = seg.fwd_opts.tol == 0 and seg.fwd_opts.rtol == 0
     kw = dict(T=seg.T, comm=seg.comm, forward=seg.fwd_opts, backward=seg.bwd_opts,
               adjoint=seg.adjoint, warm_start_adjoint=seg.warm_start_adjoint,
+              spatial=seg.spatial,
               # an explicit choice is kept; the default follows the (possibly new) options
               warm_start=None if seg.warm_start == inexact else seg.warm_start)
     kw.update(overrides)

@@ -30,7 +30,8 @@ TOPS = ("data", "mgrit", "layerwise", "layerpar")
 FLOORS = {
     "data": 0,               # data sets, readers, HDF5 cache, sharding
     "mgrit": 0,              # the solver core: modules directly in mgrit/
-    "mgrit.reporting": 0,    # results writers shared by the metrics and the experiments
+    "mgrit.reporting": 0,
+    "mgrit.spatial": 0,      # spatial coarsening of the coarse MGRIT levels (solver level)    # results writers shared by the metrics and the experiments
     "mgrit.nn": 1,           # layer-parallel modules (steps, ResNet, nets, GRU, transformer)
     "mgrit.nn.*": 1,         # ... and its sub-rooms
     "mgrit.parallel": 2,     # process grid, gradient buckets, replica BatchNorm

@@ -4,42 +4,41 @@ Forward chain (layer ``k`` = fine interval ``k``): ``Phi(u) = u + (stop - start)
 the coarse propagator on level ``l`` reuses the C-point layer's parameters with the step
 ``m^l h`` (Guenther et al. 2020; Kirby et al. 2020; TorchBraid).
 
-Adjoint chain, solved over the reversed index ``i = N - k`` (``mu_i = lambda_{N-i}``):
-``lambda_k = (dPhi_k/dx (x_k))^T lambda_{k+1} = lambda_{k+1} + J_{F_k}(x_k)^T (h lambda_{k+1})``,
-each step one vector-Jacobian product. The coarse adjoint step from reversed point ``i``
-linearizes the layer adjacent to that point, ``k = N - 1 - i``, with the step ``(stop-start) h``
--- the reversed chain's own rediscretization; it lives on the rank that owns ``lambda_{k+1}``,
-so no parameters ever cross ranks. The fixed point (the exact adjoint) does not depend on it.
+Adjoint chain, solved over the reversed index ``i = N - k`` (``mu_i = lambda_{N-i}``): ``lambda_k =
+(dPhi_k/dx (x_k))^T lambda_{k+1} = lambda_{k+1} + J_{F_k}(x_k)^T (h lambda_{k+1})``, each step one
+vector-Jacobian product. The coarse adjoint step from reversed point ``i`` linearizes the layer
+adjacent to that point, ``k = N - 1 - i``, with the step ``(stop-start) h`` -- the reversed chain's
+own rediscretization; it lives on the rank that owns ``lambda_{k+1}``, so no parameters ever cross
+ranks. The fixed point (the exact adjoint) does not depend on it.
 
-Concurrent relaxation: ``step_batch`` stacks the parameters of the layers involved and applies
-them in one call: the module's own ``forward_batched`` (``bmm`` for dense steps, one grouped
-convolution for conv steps), else ``torch.func.vmap`` over ``torch.func.functional_call``, else
-(modules ``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients use the
-module's closed-form ``vjp_batched`` when it has one (dense steps with built-in activations),
-else one autograd call through that batched forward.
+Concurrent relaxation: ``step_batch`` stacks the parameters of the layers involved and applies them
+in one call: the module's own ``forward_batched`` (``bmm`` for dense steps, one grouped convolution
+for conv steps), else ``torch.func.vmap`` over ``torch.func.functional_call``, else (modules
+``vmap`` cannot batch) a loop. Batched adjoint steps and parameter gradients use the module's
+closed-form ``vjp_batched`` when it has one (dense steps with built-in activations), else one
+autograd call through that batched forward.
 
-Hot paths (no Python work or temporary per layer where it can be avoided; each equal to the
-general path, ``tests/nn/test_fastpaths.py``): ``step_batch_into`` writes a batched step straight
-into the solver's strided state rows (:mod:`mgrit.levelops`); single forward steps of a
-batched chain use the module's ``forward_layer(p, j, x)`` on the stacked snapshot when it has
-one (no module call: MGRIT's coarse sweeps); closed-form adjoint steps slice a reversed copy of
-the snapshot and of ``act'(z)`` (made once per adjoint solve) instead of gathering rows, and in
-multilevel adjoint solves (``closed_single``) the single adjoint steps are closed-form too.
+Hot paths (no Python work or temporary per layer where it can be avoided; each equal to the general
+path, ``tests/nn/test_fastpaths.py``): ``step_batch_into`` writes a batched step straight into the
+solver's strided state rows (:mod:`mgrit.levelops`); single forward steps of a batched chain use
+the module's ``forward_layer(p, j, x)`` on the stacked snapshot when it has one (no module call:
+MGRIT's coarse sweeps); closed-form adjoint steps slice a reversed copy of the snapshot and of
+``act'(z)`` (made once per adjoint solve) instead of gathering rows, and in multilevel adjoint
+solves (``closed_single``) the single adjoint steps are closed-form too.
 
 Batching never changes a result: a rank's layers are stacked only when
-:func:`~mgrit.nn.chains.stacking.batching_obstacle` proves, when the chain is built and again whenever
-the owner's per-call fingerprint (:mod:`mgrit.nn.chains.contract`) sees the modules change, that they
-differ in nothing but parameter and buffer values (private attributes, tensor attributes,
-closures and hooks included; the full contract is in :mod:`mgrit.nn.chains.stacking`); otherwise every
-layer is evaluated with its own module. A native kernel (``forward_batched``,
-``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.chains.contract.kernel` allows it:
-never one inherited from a class whose ``forward`` is not the one the module calls.
-A module contributed by a user may provide
-``forward_batched(p, x)``: ``p`` maps each of its parameter and buffer names to the values of
-``B`` layers stacked along dim 0, ``x`` is ``(B, batch, *state_shape)``, the result has the
-shape of ``x`` and row ``b`` must equal ``module_b(x[b])``. Optional, for speed:
-``forward_layer(p, j, x)`` (row ``j`` of ``p`` applied to ``x``, equal to ``module_j(x)``) and
-``stack_extras(p)`` (derived constants added to each snapshot, see
+:func:`~mgrit.nn.chains.stacking.batching_obstacle` proves, when the chain is built and again
+whenever the owner's per-call fingerprint (:mod:`mgrit.nn.chains.contract`) sees the modules
+change, that they differ in nothing but parameter and buffer values (private attributes, tensor
+attributes, closures and hooks included; the full contract is in :mod:`mgrit.nn.chains.stacking`);
+otherwise every layer is evaluated with its own module. A native kernel (``forward_batched``,
+``forward_layer``, ``vjp_batched``) runs only where :func:`mgrit.nn.chains.contract.kernel` allows
+it: never one inherited from a class whose ``forward`` is not the one the module calls. A module
+contributed by a user may provide ``forward_batched(p, x)``: ``p`` maps each of its parameter and
+buffer names to the values of ``B`` layers stacked along dim 0, ``x`` is ``(B, batch,
+*state_shape)``, the result has the shape of ``x`` and row ``b`` must equal ``module_b(x[b])``.
+Optional, for speed: ``forward_layer(p, j, x)`` (row ``j`` of ``p`` applied to ``x``, equal to
+``module_j(x)``) and ``stack_extras(p)`` (derived constants added to each snapshot, see
 :meth:`~mgrit.nn.chains.stacking.Stacked.refresh`).
 """
 from __future__ import annotations
@@ -51,8 +50,9 @@ from torch import nn
 
 from ...propagator import Propagator
 from .compiled import plain_module
+from .coarse import SpatialAdjoint
 from .contract import global_hooks_registered, kernel
-from .stacking import Stacked, StaleStack
+from .stacking import Stacked, StaleStack, probe_shapes
 
 __all__ = ["ForwardChain", "AdjointChain"]
 
@@ -72,12 +72,17 @@ class ForwardChain(Propagator):
     Attributes:
         batching_obstacle: why the layers are evaluated one by one (a message), or ``None``
             when they are batched.
+        coarse_shapes: per-sample shapes of spatially coarsened levels; those where the
+            batched kernel fails :func:`~mgrit.nn.chains.stacking.probe_shapes` at a
+            :meth:`rebuild` are ``plain_shapes``, stepped module by module.
     """
 
-    def __init__(self, steps: Sequence[nn.Module], first: int, h: float, batched: bool = True):
+    def __init__(self, steps: Sequence[nn.Module], first: int, h: float, batched: bool = True,
+                 coarse_shapes=()):
         self.steps, self.first, self.h = list(steps), int(first), float(h)
         self._want_batched = bool(batched)
         self._hooked = False
+        self.coarse_shapes, self.plain_shapes = [tuple(s) for s in coarse_shapes], set()
         self.rebuild()
 
     def rebuild(self, steps: Sequence[nn.Module] | None = None) -> None:
@@ -95,6 +100,7 @@ class ForwardChain(Propagator):
         self._layer_fn = None  # the template's forward_layer where its contract allows it
         if self._stack is not None and self._stack._native:
             self._layer_fn = kernel(self._stack.template, "forward_layer")
+        self.plain_shapes = set(probe_shapes(self._stack, self.steps, self.coarse_shapes))
 
     def refresh(self, grad: bool = False) -> dict:
         """Snapshot the current parameters for batched steps (every forward solve calls it
@@ -117,15 +123,15 @@ class ForwardChain(Propagator):
 
     def step(self, u, start, stop, level):
         j = start - self.first
-        stack = self._stack
+        plain = self.plain_shapes and tuple(u.shape[1:]) in self.plain_shapes
+        stack = None if plain else self._stack
         if stack is not None and stack.tensors and not self._hooked and self._layer_fn:
             # the snapshot's layer j without a module call (same values as the module)
             return u + ((stop - start) * self.h) * self._layer_fn(stack.tensors, j, u)
         return u + ((stop - start) * self.h) * self.steps[j](u)
 
     def _dt(self, starts, stops, like):
-        """Step sizes of a batched call: a float when all intervals have the same length
-        (always the case for the solver's calls), else a broadcastable tensor."""
+        """Step sizes of a batched call: a float for equal spans (the solver's), else a tensor."""
         if isinstance(starts, range) and isinstance(stops, range) and starts.step == stops.step:
             return (stops.start - starts.start) * self.h  # the solver's calls: O(1)
         spans = {b - a for a, b in zip(starts, stops)}
@@ -155,8 +161,10 @@ class ForwardChain(Propagator):
             self.batching_obstacle = "torch.func.vmap cannot batch the module"
             return None
 
+    def _batchable(self, u) -> bool:
+        return self.batched and not (self.plain_shapes and tuple(u.shape[2:]) in self.plain_shapes)
     def step_batch(self, u, starts, stops, level):
-        z = self._F_batched(u, starts) if self.batched else None
+        z = self._F_batched(u, starts) if self._batchable(u) else None
         if z is None:
             return super().step_batch(u, starts, stops, level)
         dt = self._dt(starts, stops, u)
@@ -167,18 +175,16 @@ class ForwardChain(Propagator):
     def step_batch_into(self, u, starts, stops, level, out) -> None:
         """:meth:`step_batch` written into ``out`` (a view of the solver's states that shares
         no element with ``u``): the last operation writes the strided target directly."""
-        z = self._F_batched(u, starts) if self.batched else None
+        z = self._F_batched(u, starts) if self._batchable(u) else None
         if z is None:
             out.copy_(super().step_batch(u, starts, stops, level))
             return
         dt = self._dt(starts, stops, u)
-        if isinstance(dt, float):
-            torch.add(u, z, alpha=dt, out=out)
-        else:
-            torch.add(u, dt * z, out=out)
+        _ = torch.add(u, z, alpha=dt, out=out) if isinstance(dt, float) else torch.add(
+            u, dt * z, out=out)
 
 
-class AdjointChain(Propagator):
+class AdjointChain(SpatialAdjoint, Propagator):
     """Adjoint of :class:`ForwardChain` over the reversed index, linearized at the forward
     states of this rank.
 
@@ -193,11 +199,14 @@ class AdjointChain(Propagator):
         closed_single: single steps by the closed-form VJP when the module has one (default
             False: autograd through the layer's module, so that a one-level adjoint solve is
             backpropagation bit for bit; multilevel solves pass True).
+        spatial: the forward's :class:`mgrit.spatial.SpatialCoarsening` (default ``None``;
+            coarse-grid steps: :mod:`mgrit.nn.chains.coarse`).
     """
 
     def __init__(self, forward: ForwardChain, n_layers: int, states: torch.Tensor,
-                 tensors: dict | None = None, closed_single: bool = False):
-        self.fwd, self.n, self.states = forward, int(n_layers), states
+                 tensors: dict | None = None, closed_single: bool = False, spatial=None):
+        self.fwd, self.n, self.states, self.spatial, self._coarse = (forward, int(n_layers),
+                                                                     states, spatial, {})
         stack = forward._stack if forward.batched else None
         if stack is not None and tensors is None:
             tensors = stack.tensors or stack.refresh()
@@ -237,6 +246,9 @@ class AdjointChain(Propagator):
     def step(self, mu, start, stop, level):
         j = self._layer(start)
         dt = (stop - start) * self.fwd.h
+        coarse = self._coarse_states(level)
+        if coarse is not None:
+            return self._coarse_step(mu, j, dt, *coarse)
         if self.closed_single and self._closed_form() is not None:  # no autograd graph
             p = {k: t[j:j + 1] for k, t in self.tensors.items()}
             z = self._stack.template.vjp_batched(p, None, mu.unsqueeze(0),
@@ -268,6 +280,9 @@ class AdjointChain(Propagator):
                                                 dact=dact[rows])
 
     def step_batch(self, mu, starts, stops, level):
+        coarse = self._coarse_states(level)
+        if coarse is not None:
+            return self._coarse_batch(mu, starts, stops, coarse)
         if not self.batched:
             return super().step_batch(mu, starts, stops, level)
         z = self._vjp_closed(mu, starts)
@@ -293,7 +308,8 @@ class AdjointChain(Propagator):
 
     def step_batch_into(self, mu, starts, stops, level, out) -> None:
         """:meth:`step_batch` written into ``out`` (shares no element with ``mu``)."""
-        z = self._vjp_closed(mu, starts) if self.batched else None
+        fine = self._coarse_states(level) is None
+        z = self._vjp_closed(mu, starts) if self.batched and fine else None
         dt = self.fwd._dt(starts, stops, mu)
         if z is None or not isinstance(dt, float):
             out.copy_(self.step_batch(mu, starts, stops, level))

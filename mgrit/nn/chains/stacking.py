@@ -237,3 +237,35 @@ class Stacked:
             return self.template.forward_batched(p, x)
         with quiet():  # functional_call's swaps of the template's tensors are not changes
             return vmap(lambda pp, xx: functional_call(self.template, pp, (xx,)))(p, x)
+
+
+def probe_shapes(stack: "Stacked | None", steps: Sequence[nn.Module], shapes) -> list:
+    """The per-sample state ``shapes`` (spatially coarsened levels) at which ``stack``'s
+    batched application of the first two layers differs from their own modules (or raises)
+    on a probe batch of two (eval mode, no gradient, a private generator): there the chain
+    falls back to the modules. ``[]`` without a stack."""
+    if stack is None or not shapes:
+        return []
+    modes = [(m, m.training) for s in steps[:2] for m in s.modules()]
+    out = []
+    try:
+        for s in steps[:2]:
+            s.eval()
+        t = stack.refresh()
+        like = next(iter(t.values()))
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        with torch.no_grad():
+            for shape in shapes:
+                x = torch.randn((2, 2, *shape), generator=gen, dtype=like.dtype,
+                                device=like.device)
+                try:
+                    y = stack.apply(stack.take(slice(0, 2), t), x)
+                    ok = all(torch.allclose(y[b], steps[b](x[b])) for b in range(2))
+                except Exception:  # noqa: BLE001 - a kernel that cannot run there: fall back
+                    ok = False
+                if not ok:
+                    out.append(tuple(shape))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return out

@@ -183,7 +183,7 @@ def _adjoint(model, states, tensors, grad, need_x: bool, need):
     # closed-form single adjoint steps in multilevel solves; a one-level adjoint solve (Kirby's
     # serial adjoint) stays autograd through each layer: backprop bit for bit
     chain = AdjointChain(model._chain, model.n_layers, states, tensors,
-                         closed_single=solver.hierarchy.n_levels > 1)
+                         closed_single=solver.hierarchy.n_levels > 1, spatial=model.spatial)
     solver.propagator = chain
     lam_N = grad.detach().reshape(shape) if model.is_last else None
     warm = model._warm_adj

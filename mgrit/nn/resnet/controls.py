@@ -108,11 +108,12 @@ class SolverControls:
         kw = dict(dtype=self.dtype, device=self.device, comm=self.comm)
         if forward is not None:
             new = MGRIT(self._chain, self.n_layers, options=forward, partition=self.partition,
-                        **kw)
+                        spatial=self.spatial, **kw)
             new.stats, self._fsolver, self.fwd_opts = self._fsolver.stats, new, forward
         if backward is not None:
+            sp = None if self.spatial is None else self.spatial.transposed()
             new = MGRIT(self._chain, self.n_layers, options=backward,
-                        partition=self.partition.reversed(), **kw)
+                        partition=self.partition.reversed(), spatial=sp, **kw)
             new.stats, self._bsolver, self.bwd_opts = self._bsolver.stats, new, backward
 
     @property

@@ -63,6 +63,7 @@ from .controls import SolverControls
 from .global_view import GlobalView
 from .pipelined import one_level, pipelined_forward
 from .seeding import make_layers
+from .spatial import spatial_error
 from .structure import StepStructure
 from .tied import tie_groups
 
@@ -115,6 +116,14 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
             the serial gradient on every rank, with no extra call. ValueError (every rank):
             sharing that ``tie`` does not declare, a group whose layers use different
             parameters, replicas of different shapes or dtypes.
+        spatial: ``None`` (default) or a :class:`mgrit.spatial.SpatialCoarsening`: the
+            coarse levels it lists run on coarser feature maps (``state_shape`` ``(C, L)``,
+            ``(C, H, W)`` or ``(C, D, H, W)``), in the forward and (transposed operators) the
+            adjoint solve; a coarse step is the layer's module applied to the coarse state
+            with the coarse step size. BatchNorm on a coarse level: batch statistics of the
+            coarse state, running statistics never updated there. ValueError (every rank):
+            sizes that do not coarsen, bad user operators, a layer that cannot run at a
+            coarse size (e.g. a Linear over flattened pixels), naming it.
 
     Autograd: each forward in grad mode is one autograd node that owns its forward states and
     stacked parameters, so any PyTorch pattern works as in serial autograd: several forwards
@@ -144,7 +153,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  adjoint: str = "mgrit", warm_start: bool | None = None,
                  partition: Partition | None = None, warm_start_adjoint: bool = False,
-                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None):
+                 tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None,
+                 spatial=None):
         super().__init__()
         self.comm = MPI.COMM_SELF if comm is None else comm
         P, rank = self.comm.Get_size(), self.comm.Get_rank()
@@ -197,11 +207,14 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         self.device = p.device if p is not None else torch.device("cpu")
         self.is_first, self.is_last = a == 0, min(b, n_layers) == n_layers
         self._chain = ForwardChain(self.steps, a, self.h, batched=self.fwd_opts.batched)
+        self.spatial = spatial
         kw = dict(dtype=self.dtype, device=self.device, comm=self.comm)
         self._fsolver = MGRIT(self._chain, n_layers, options=self.fwd_opts,
-                              partition=self.partition, **kw)
+                              partition=self.partition, spatial=spatial, **kw)
         self._bsolver = MGRIT(self._chain, n_layers, options=self.bwd_opts,
-                              partition=self.partition.reversed(), **kw)
+                              partition=self.partition.reversed(),
+                              spatial=None if spatial is None else spatial.transposed(), **kw)
+        raise_agreed(self.comm, spatial_error(self))  # sizes, operators, coarse-size probes
         self.warm_start_adjoint = bool(warm_start_adjoint)
         self._warm = self._warm_adj = None
         self.last_forward = self.last_backward = None
@@ -215,7 +228,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
     def build(cls, make_step: Callable[[int], nn.Module], n_layers: int,
               state_shape: Sequence[int], comm: MPI.Comm | None = None, seed: int = 0,
               tie: Callable[[int], Hashable] | Sequence[Hashable] | None = None,
-              **kwargs) -> "LayerParallelResNet":
+              spatial=None, **kwargs) -> "LayerParallelResNet":
         """Create this rank's layers with ``make_step(k)`` (seeded by :func:`layer_seed`, so the
         weights do not depend on the number of ranks) and wrap them. The caller's RNG states
         (CPU, and CUDA when initialized) are the same after ``build`` as before: whatever is
@@ -232,7 +245,7 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
         ``make_step(k)`` (ValueError on every rank otherwise): a parameter made elsewhere may be
         shared with layers of other ranks, where each rank would train its own copy (declare
         it with ``tie``). To start from given weights, build and then
-        :meth:`load_global_state_dict`."""
+        :meth:`load_global_state_dict`. ``spatial``: as the class's."""
         comm = MPI.COMM_SELF if comm is None else comm
         part = kwargs.pop("partition", None) or Partition.even(n_layers, comm.Get_size())
         a, b = part.block(comm.Get_rank())
@@ -250,7 +263,8 @@ class LayerParallelResNet(StepStructure, GlobalView, SolverControls, nn.Module):
                 f"P = {comm.Get_size()} layer ranks a parameter shared between layers would be "
                 f"a separate copy on every rank; create each layer's parameters inside "
                 f"make_step, declare the sharing with tie=..., or use P = 1"))
-        return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie, **kwargs)
+        return cls(steps, n_layers, state_shape, comm=comm, partition=part, tie=tie,
+                   spatial=spatial, **kwargs)
 
     # -- autograd bridge ----------------------------------------------------------------
     @compile_disabled  # torch.compile: a graph break, the solve runs eagerly (chains.transforms)
