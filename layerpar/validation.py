@@ -334,6 +334,15 @@ def check_spatial(c) -> None:
         raise ValueError(f"--spatial-coarsening={c.spatial_coarsening!r} names level "
                          f"{max(levels)}, but --levels {c.levels} has levels 0..{c.levels - 1}: "
                          f"use levels 1..{c.levels - 1} or more --levels")
+    relax = [r.strip() for r in c.relax.split(",")]
+    for level in levels:  # F-relaxation never touches the C-points' fine-grid error
+        r = relax[min(level - 1, len(relax) - 1)]
+        if relaxation_sweeps(r) == 0:
+            raise ValueError(f"--spatial-coarsening level {level} needs C-relaxation on level "
+                             f"{level - 1}, but --relax {c.relax} gives it {r}: F-relaxation "
+                             f"leaves the part of the C-point error the coarse grid cannot "
+                             f"represent uncorrected (the solve stagnates); use FCF there, "
+                             f"e.g. --relax FCF")
 
 
 def check_out(c) -> None:

@@ -56,7 +56,7 @@ def config(name: str, layers: int, m: int, L: int, levels: tuple, tol: float, K_
     default dtype): exact with ``tol > 0`` (at most ``K_f``/``K_b`` cycles), else exactly
     ``K_f`` forward and ``K_b`` adjoint cycles; cold starts (no warm start)."""
     dataset, net = CONFIGS[name]
-    return JobConfig(dataset=dataset, layers=layers, levels=L, cfactor=m, relax="F,FCF",
+    return JobConfig(dataset=dataset, layers=layers, levels=L, cfactor=m, relax="FCF",
                      tol=tol, fwd_iters=K_f, bwd_iters=K_b, warm_start=False, seed=seed,
                      spatial_coarsening=",".join(map(str, levels)), **net)
 

@@ -15,7 +15,8 @@ from mpi4py import MPI
 from layerpar.validation import spatial_levels
 from tests.job.test_train_job import _load_script
 
-CONV = ["--dataset", "digits", "--step", "conv", "--channels", "2", "--layers", "4"]
+CONV = ["--dataset", "digits", "--step", "conv", "--channels", "2", "--layers", "4", "--relax",
+        "FCF"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,9 @@ def parser():
      "--spatial-restrict injection chooses an operator of spatial coarsening: it needs "
      "--spatial-coarsening LEVELS"),
     (CONV + ["--spatial-prolong", "constant"], "needs --spatial-coarsening"),
+    (CONV + ["--spatial-coarsening", "1", "--relax", "F,FCF"],
+     "--spatial-coarsening level 1 needs C-relaxation on level 0, but --relax F,FCF gives it F"),
+    (CONV + ["--spatial-coarsening", "2", "--relax", "FCF,F"], "on level 1, but --relax FCF,F"),
     (CONV + ["--spatial-coarsening", "1", "--spatial-restrict", "average"],
      "invalid choice: 'average'"),
 ])
@@ -77,8 +81,8 @@ def test_exact_job_with_spatial_coarsening_trains_like_serial(parser, tmp_path):
     pytest.importorskip("mgrit.spatial")
     from layerpar.job import run_job
 
-    base = ["--dataset", "voxels", "--step", "conv", "--channels", "2", "--layers", "4",
-            "--levels", "2", "--cfactor", "2", "--epochs", "1", "--limit-train", "40",
+    base = ["--dataset", "voxels", "--step", "conv", "--channels", "2", "--layers", "8",
+            "--levels", "2", "--cfactor", "2", "--relax", "FCF", "--epochs", "1", "--limit-train", "40",
             "--limit-test", "20", "--batch-size", "20", "--dtype", "float64", "--no-progress",
             "--lr", "0.05"]
     dtype = torch.get_default_dtype()
