@@ -136,12 +136,15 @@ class SpatialCoarsening:
         return out
 
     # -- operators -------------------------------------------------------------------------
-    def _matrices(self, shape, which: str) -> list:
-        key = (tuple(shape), which)
+    def _matrices(self, shape, which: str, like: torch.Tensor) -> list:
+        """The 1-D matrices of ``R`` or ``P`` for fine per-sample ``shape``, in ``like``'s
+        dtype and device (cached)."""
+        key = (tuple(shape), which, like.dtype, like.device)
         if key not in self._mats:
             make, kind = ((grids.restriction, self.restrict_kind) if which == "R"
                           else (grids.prolongation, self.prolong_kind))
-            self._mats[key] = [make(n, f, g, kind) for n, f, g in self._plan(torch.Size(shape))]
+            self._mats[key] = [make(n, f, g, kind).to(like.dtype).to(like.device)
+                               for n, f, g in self._plan(torch.Size(shape))]
         return self._mats[key]
 
     def restrict(self, x: torch.Tensor, level: int, fine_shape) -> torch.Tensor:
@@ -152,7 +155,7 @@ class SpatialCoarsening:
             lead = x.shape[:x.dim() - len(fine)]
             y = self.operators.restrict(x.reshape(-1, *fine), level)
             return y.reshape(*lead, *y.shape[1:])
-        return grids.apply(x, self._matrices(fine, "R"))
+        return grids.apply(x, self._matrices(fine, "R", x))
 
     def prolong(self, x: torch.Tensor, level: int, fine_shape) -> torch.Tensor:
         """``x`` on ``level`` prolonged to level ``level - 1``, whose per-sample shape is
@@ -162,7 +165,7 @@ class SpatialCoarsening:
             lead = x.shape[:x.dim() - len(fine)]
             y = self.operators.prolong(x.reshape(-1, *x.shape[len(lead):]), level)
             return y.reshape(*lead, *y.shape[1:])
-        return grids.apply(x, self._matrices(fine, "P"))
+        return grids.apply(x, self._matrices(fine, "P", x))
 
     def transposed(self) -> "TransposedCoarsening":
         """The adjoint solve's operators: restriction ``P^T``, prolongation ``R^T``."""
@@ -235,7 +238,7 @@ class TransposedCoarsening:
     def restrict(self, x, level, fine_shape):
         b = self.base
         if b.operators is None:
-            return grids.apply(x, [m.T for m in b._matrices(torch.Size(fine_shape), "P")])
+            return grids.apply(x, [m.T for m in b._matrices(fine_shape, "P", x)])
         coarse = b.coarse_shape(fine_shape, level)
         lead = x.shape[:x.dim() - len(coarse)]
         return _vjp(lambda z: b.prolong(z, level, fine_shape), x, (*lead, *coarse))
@@ -243,7 +246,7 @@ class TransposedCoarsening:
     def prolong(self, x, level, fine_shape):
         b = self.base
         if b.operators is None:
-            return grids.apply(x, [m.T for m in b._matrices(torch.Size(fine_shape), "R")])
+            return grids.apply(x, [m.T for m in b._matrices(fine_shape, "R", x)])
         fine = torch.Size(fine_shape)
         lead = x.shape[:x.dim() - len(fine)]
         return _vjp(lambda z: b.restrict(z, level, fine), x, (*lead, *fine))

@@ -64,10 +64,9 @@ def restriction(n: int, f: int, grid: str, kind: str) -> torch.Tensor:
 
 def apply(x: torch.Tensor, mats) -> torch.Tensor:
     """``x`` ``(..., *spatial)`` with ``mats[d]`` applied along the ``d``-th of the last
-    ``len(mats)`` dims (``(out, in)`` each; cast to ``x``'s dtype and device)."""
+    ``len(mats)`` dims (``(out, in)`` each, in ``x``'s dtype and device)."""
     nd = len(mats)
     for d, m in enumerate(mats):
         dim = x.dim() - nd + d
-        m = m.to(dtype=x.dtype, device=x.device)
         x = torch.movedim(torch.matmul(m, torch.movedim(x, dim, -2)), -2, dim)
     return x.contiguous()

@@ -160,7 +160,7 @@ class Run(ModelActions, AutogradPaths):
                 self.problems.append(f"hook on {name} ran {n} times, serial {m}")
 
     def _x(self, seed, rows=B):
-        x = rand(rows, *input_shape(self.spec["kind"]), seed=seed)
+        x = rand(rows, *input_shape(self.spec["kind"], self.spec), seed=seed)
         return x.clone().requires_grad_(True), x.clone().requires_grad_(True)
 
     def _w(self, out, seed, j=0):

@@ -7,7 +7,9 @@ Spec keys: ``kind`` (``dense``, ``conv``, ``transformer``, ``multiseg``: a
 buffer; ``subclass``/``subclass_buffer``: a subclass of the shipped step that overrides
 ``forward``, without / with a per-layer buffer), ``layers`` (N), ``levels`` (1: the pipelined
 one-level path; 2: MGRIT), ``norm`` (``l2``/``inf``, the solver's residual norm), ``compiled``
-(steps wrapped in ``torch.compile``), ``seed`` (weights).
+(steps wrapped in ``torch.compile``), ``seed`` (weights), ``spatial`` (``conv`` only, optional:
+``None`` or the keyword arguments of :class:`mgrit.spatial.SpatialCoarsening` for the coarse
+level; ``grid="vertex"`` uses 5 x 5 pixels, else 4 x 4).
 
 Serial twin: ``net.to_serial()`` of an uncompiled build with the same seeds, i.e.
 ``nn.Sequential`` of the ordinary modules and ``ResidualStep(step, h)`` layers; global keys
@@ -23,6 +25,7 @@ from torch import nn
 from mgrit.nn import (ConvStep, DenseStep, LayerParallelNet, LayerParallelResNet, ParallelGRU,
                       TransformerStep)
 from mgrit.options import MGRITOptions
+from mgrit.spatial import SpatialCoarsening
 
 KINDS = ("dense", "conv", "transformer", "multiseg", "gru")
 STEPS = ("shipped", "user", "buffer", "subclass", "subclass_buffer")
@@ -156,9 +159,16 @@ def step_maker(kind: str, step: str, width: int = W):
     return lambda k: make(k).double()
 
 
-def input_shape(kind: str) -> tuple:
-    """One sample's input shape for a network kind."""
-    return {"dense": (2,), "multiseg": (2,), "conv": (1, HW, HW), "transformer": (TOK, 2),
+def pixels(spec: dict | None) -> int:
+    """The conv kind's side length: 5 on a spatially coarsened vertex grid, else 4."""
+    sp = (spec or {}).get("spatial") or {}
+    return 5 if sp.get("grid") == "vertex" else HW
+
+
+def input_shape(kind: str, spec: dict | None = None) -> tuple:
+    """One sample's input shape for a network kind (``spec``: its pixels, see :func:`pixels`)."""
+    hw = pixels(spec)
+    return {"dense": (2,), "multiseg": (2,), "conv": (1, hw, hw), "transformer": (TOK, 2),
             "gru": (SEQ, 2)}[kind]
 
 
@@ -173,8 +183,10 @@ def _segment(spec, comm, kind, width, shape, seed, compiled):
         plain = make
         make = lambda k: torch.compile(plain(k))  # noqa: E731  (how a user compiles steps)
     o = options(spec)
+    sp = spec.get("spatial") if kind == "conv" else None
     return LayerParallelResNet.build(make, spec["layers"], shape, comm=comm, seed=seed, T=2.0,
-                                     forward=o, backward=o)
+                                     forward=o, backward=o,
+                                     spatial=None if sp is None else SpatialCoarsening(**sp))
 
 
 def build_net(spec: dict, comm: MPI.Comm, compiled: bool | None = None,
@@ -191,8 +203,9 @@ def build_net(spec: dict, comm: MPI.Comm, compiled: bool | None = None,
     if kind == "dense":
         parts = (nn.Linear(2, W), seg("dense", W, (W,)), nn.Linear(W, 2))
     elif kind == "conv":
-        parts = (nn.Conv2d(1, CH, 3, padding=1), seg("conv", CH, (CH, HW, HW)),
-                 nn.Sequential(nn.Flatten(), nn.Linear(CH * HW * HW, 2)))
+        hw = pixels(spec)
+        parts = (nn.Conv2d(1, CH, 3, padding=1), seg("conv", CH, (CH, hw, hw)),
+                 nn.Sequential(nn.Flatten(), nn.Linear(CH * hw * hw, 2)))
     elif kind == "transformer":
         parts = (nn.Linear(2, DM), seg("transformer", DM, (TOK, DM)),
                  nn.Sequential(nn.Flatten(), nn.Linear(TOK * DM, 2)))

@@ -32,6 +32,7 @@ FEATURES = frozenset({
     "compile",           # item 8: torch.compile'd steps, state-dict keys
     "clip",              # item 10: clip_grad_norm_ on every rank (global norm expected)
     "freeze_pending",    # found by the fuzzer: freezing a parameter while a graph is pending
+    "spatial",           # issue 35: spatial coarsening of the coarse level (conv kind)
 }) | paths_autograd.FEATURES  # issue 36: transforms (input_grad, functional_call, ...)
 
 #: THE SWITCH: features main gets wrong. Generated only when asked for (``--enable``); delete
@@ -72,10 +73,15 @@ def generate_spec(c, enabled=frozenset()) -> dict:
     steps = ["shipped", "user", "buffer"]
     if "subclass_step" in enabled:
         steps += ["subclass", "subclass_buffer"]
-    return {"kind": kind, "step": "shipped" if kind == "gru" else c.pick(steps),
+    spec = {"kind": kind, "step": "shipped" if kind == "gru" else c.pick(steps),
             "layers": c.pick([4, 5, 6]), "levels": c.pick([1, 2]), "norm": c.pick(["l2", "inf"]),
             "compiled": kind != "gru" and "compile" in enabled and c.bool(0.05),
             "dp": c.pick([1, 1, 2]), "seed": c.int(0, 9999)}
+    if kind == "conv" and "spatial" in enabled and c.bool(0.5):  # drawn last: other specs keep
+        spec["spatial"] = {"grid": c.pick(["cell", "vertex"]),    # their seeds' programs
+                           "restrict": c.pick(["full_weighting", "injection"]),
+                           "prolong": c.pick(["linear", "constant"])}
+    return spec
 
 
 def _kinds(spec, enabled, pending, hooks):
@@ -161,7 +167,7 @@ def dumps(program: dict) -> str:
 
 
 # -- shrinking (multi-rank runs; Hypothesis shrinks the 1-rank ones) ----------------------------
-SIMPLER = (("compiled", False), ("dp", 1), ("norm", "l2"), ("levels", 1), ("step", "shipped"),
+SIMPLER = (("spatial", None), ("compiled", False), ("dp", 1), ("norm", "l2"), ("levels", 1), ("step", "shipped"),
            ("kind", "dense"), ("layers", 4))
 
 

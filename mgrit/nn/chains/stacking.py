@@ -47,7 +47,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .contract import global_hooks_registered, kernel, quiet
+from .contract import global_hooks_registered, hooks_suspended, kernel, quiet
 
 __all__ = ["batching_obstacle", "Stacked", "StaleStack"]
 
@@ -243,11 +243,19 @@ def probe_shapes(stack: "Stacked | None", steps: Sequence[nn.Module], shapes) ->
     """The per-sample state ``shapes`` (spatially coarsened levels) at which ``stack``'s
     batched application of the first two layers differs from their own modules (or raises)
     on a probe batch of two (eval mode, no gradient, a private generator): there the chain
-    falls back to the modules. ``[]`` without a stack."""
+    falls back to the modules. ``[]`` without a stack. No hook fires."""
     if stack is None or not shapes:
         return []
     modes = [(m, m.training) for s in steps[:2] for m in s.modules()]
     out = []
+    with hooks_suspended(nn.ModuleList(steps[:2])):
+        _probe(stack, steps, shapes, out)
+    for m, mode in modes:
+        m.training = mode
+    return out
+
+
+def _probe(stack, steps, shapes, out) -> None:
     try:
         for s in steps[:2]:
             s.eval()
@@ -265,7 +273,5 @@ def probe_shapes(stack: "Stacked | None", steps: Sequence[nn.Module], shapes) ->
                     ok = False
                 if not ok:
                     out.append(tuple(shape))
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    return out
+    except Exception:  # noqa: BLE001 - the snapshot itself failed: every shape plain
+        out[:] = [tuple(s) for s in shapes]

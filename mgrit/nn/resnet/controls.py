@@ -13,6 +13,7 @@ import torch
 
 from ...options import MGRITOptions
 from ...solver import MGRIT
+from .spatial import spatial_error
 from ..chains.propagators import ForwardChain
 
 __all__ = ["SolverControls"]
@@ -115,6 +116,9 @@ class SolverControls:
             new = MGRIT(self._chain, self.n_layers, options=backward,
                         partition=self.partition.reversed(), spatial=sp, **kw)
             new.stats, self._bsolver, self.bwd_opts = self._bsolver.stats, new, backward
+        error = spatial_error(self)  # new levels: their coarse sizes and the layers' probes
+        if error is not None:
+            raise ValueError(error)
 
     @property
     def phase_hook(self) -> Callable | None:

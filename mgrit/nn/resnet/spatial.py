@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...spatial import SpatialCoarsening
+from ..chains.contract import hooks_suspended
 
 __all__ = ["spatial_error"]
 
@@ -17,7 +18,7 @@ def _probe(step, k: int, shape, level: int, dtype, device) -> str | None:
     try:
         step.eval()
         x = torch.zeros((2, *shape), dtype=dtype, device=device)
-        with torch.no_grad():
+        with torch.no_grad(), hooks_suspended(step):
             y = step(x)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
