@@ -79,7 +79,7 @@ RECORD = {
                     ["--spatial-coarsening", "1"]),
 }
 ARMS = ("serial", "time-only", "space-time")
-SMOKE_JOB = ["--limit-train", "40", "--limit-test", "20", "--epochs", "1", "--layers", "4",
+SMOKE_JOB = ["--limit-train", "40", "--limit-test", "20", "--epochs", "1", "--layers", "8",
              "--batch-size", "20"]
 
 
@@ -149,10 +149,28 @@ def record(a, base: Path) -> None:
                 records.run_job(cmd, out)
 
 
+def cycles_to(row: dict, reduction: float = 1e-6) -> float:
+    """Cycles the measured forward solve of ``row`` took to reduce its residual by
+    ``reduction`` (the first cycle at or below it), or, when it stopped before, its cycles plus
+    the extrapolation at its factor (``inf`` at a factor >= 1)."""
+    res = [float(v) for v in row.get("fwd_res") or ()]
+    if res and res[0] > 0:
+        hit = next((k for k, r in enumerate(res) if r <= reduction * res[0]), None)
+        if hit is not None:
+            return float(max(hit, 1))
+    f = row["fwd_factor"]
+    if not 0 <= f < 1:
+        return math.inf
+    done, left = (len(res) - 1, res[-1] / (reduction * res[0])) if res and res[0] > 0 \
+        else (0, 1 / reduction)
+    return max(done + math.log(left) / -math.log(max(f, 1e-300)), 1.0)
+
+
 def where_it_pays(meas: dict) -> list:
     """Rows ``(config, L, arm, factor, cycles to 1e-6, cycle ms, ratio)``: the time to reduce
-    the forward residual 10^6-fold of each space-time arm over time-only's, at the measured
-    m of the timings, on 2 ranks (> 1: spatial coarsening loses)."""
+    the forward residual 10^6-fold (:func:`cycles_to` x the CPU time of a cycle) of each
+    space-time arm over time-only's, at the m of the timings, on 2 ranks (> 1: spatial
+    coarsening loses)."""
     rows = []
     for name, series in meas["timing"].items():
         for row in meas["convergence"]:
@@ -161,11 +179,9 @@ def where_it_pays(meas: dict) -> list:
             key = f"cycle: m = {row['m']}, L = {row['L']}, {row['arm']}, P = 2"
             if key not in series:
                 continue
-            f = row["fwd_factor"]
-            cycles = math.inf if not 0 <= f < 1 else (1 if f == 0 else
-                                                      math.log(1e-6) / math.log(max(f, 1e-300)))
-            rows.append({"config": name, "L": row["L"], "arm": row["arm"], "factor": f,
-                         "cycles": cycles, "cycle_s": spread(series[key])["median"]})
+            rows.append({"config": name, "L": row["L"], "arm": row["arm"],
+                         "factor": row["fwd_factor"], "cycles": cycles_to(row),
+                         "cycle_s": spread(series[key])["median"]})
     for r in rows:
         t = next(q for q in rows if q["config"] == r["config"] and q["L"] == r["L"]
                  and q["arm"] == "time-only")
