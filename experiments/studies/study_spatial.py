@@ -42,9 +42,10 @@ forward residual 10^6-fold, (cycles at the measured factor) x (measured CPU time
 Needs the solver's spatial coarsening (:mod:`mgrit.spatial`); without it the study prints
 ``SKIP`` and exits with ``EXIT_SKIP`` (``regenerate.py`` lists it as ``skip``).
 
-Cost: ``--quick`` about a minute (measured at commit of this file with the load of other
-jobs); ``--full``: see the report of the helper that wrote it (estimate about 40 minutes on 2
-idle cores: the measurement ~15 min, the record 9 jobs x 2 configurations).
+Cost: ``--quick`` 98 CPU seconds (5 min wall at a load average of 18 on 2 cores, commit
+36d3801). ``--full``: about 35-45 min on 2 idle cores, an estimate from the CPU time of its
+pieces (an exact float64 voxel solve at N = 32, batch 16: 45-75 CPU s; the measurement of
+the voxel set dominates, ~15-25 min; the record's 18 jobs ~12 min), not a measured record.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def parse(argv=None):
         a.layers, a.ms, a.Ls, a.batch, a.tbatch, a.iters, a.repeats = 8, (2,), (2,), 4, 4, 6, 1
     else:
         a.layers, a.ms, a.Ls, a.batch, a.tbatch, a.iters, a.repeats = 32, (2, 4, 8), (2, 3), \
-            16, 16, 20, 7
+            8, 16, 20, 7
     return a
 
 
