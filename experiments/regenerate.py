@@ -175,6 +175,12 @@ REGISTRY: tuple[Entry, ...] = (
     # script launches its 2-rank jobs)
     Entry("plan_unseen", "experiments/benchmarks/plan_unseen.py", None, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "timing", "hP (issue 24)"),
+    # issue 35 item 3: spatial coarsening in space-time MGRIT -- convergence factors, gradient
+    # error, CPU cost per cycle and step (1 process, 2 ranks), the training record (the script
+    # launches its 2-rank measurement and the main job's runs)
+    Entry("spatial_coarsening", "experiments/studies/study_spatial.py", None,
+          ("--full", "--out", "{out}"), ("--quick", "--out", "{out}"), "mixed",
+          "spatial_job (issue 35)"),
 )
 
 

@@ -13,6 +13,7 @@ from mgrit.models import MODELS
 from .cli import JobParser
 from .job import OPTIMIZERS
 from .jobconfig import BIAS_ACTIONS, BUNDLED, METHODS, JobConfig
+from .validation import SPATIAL_PROLONGATIONS, SPATIAL_RESTRICTIONS
 
 __all__ = ["job_parser", "MODEL_DEFAULTS"]
 
@@ -162,6 +163,21 @@ def job_parser(prog: str = "experiments/train.py") -> JobParser:
                    help="XBraid's skip: no work on the first down-cycle, the first cycle starts "
                         "from the coarse-grid solution (cheaper; discards the warm start, so "
                         "pair it with --no-warm-start or --tol > 0)")
+    g = p.add_argument_group("spatial coarsening (--method mgrit, --step conv|twoconv; "
+                             "docs/features/spatial_coarsening.rst)")
+    g.add_argument("--spatial-coarsening", default=D.spatial_coarsening, metavar="LEVELS",
+                   help="MGRIT levels whose states live on a grid coarsened by 2 per spatial "
+                        "dimension, comma separated (e.g. 1 or 1,2; level 0 is the fine grid; "
+                        "a coarse step then costs 1/4 (2-D) or 1/8 (3-D) of a fine one); "
+                        "default: none (time-only coarsening)")
+    g.add_argument("--spatial-restrict", choices=SPATIAL_RESTRICTIONS, default=None,
+                   help="restriction of the states to a coarser grid (default full_weighting, "
+                        "the scaled transpose of the interpolation; injection takes the coarse "
+                        "points' values); needs --spatial-coarsening")
+    g.add_argument("--spatial-prolong", choices=SPATIAL_PROLONGATIONS, default=None,
+                   help="prolongation of the coarse-grid correction (default linear: "
+                        "bi-/trilinear; constant: piecewise constant); needs "
+                        "--spatial-coarsening")
     g = p.add_argument_group("training")
     g.add_argument("--method", choices=METHODS, default=None,
                    help=f"training method (default: {D.method})")

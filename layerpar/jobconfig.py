@@ -62,6 +62,9 @@ class JobConfig:
     nested_iteration: bool = False
     adjoint: str = "mgrit"
     skip_first_relaxation: bool = False
+    spatial_coarsening: str = ""
+    spatial_restrict: str | None = None
+    spatial_prolong: str | None = None
     method: str = "mgrit"
     serial: bool = False
     epochs: int = 2

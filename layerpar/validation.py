@@ -24,12 +24,15 @@ from mgrit.training.checkpoint.io import read_file
 from mgrit.training.lrschedule import SCHEDULES
 
 from .runfolder import never_trained
+from .spatialflags import (SPATIAL_PROLONGATIONS, SPATIAL_RESTRICTIONS, check_spatial,
+                           spatial_levels)
 
 __all__ = ["validate", "METHODS", "BUNDLED", "LANGUAGE_MODELS", "SEQUENCE_TASKS", "BIAS_ACTIONS",
-           "DEVICES", "OPTIMIZER_NAMES"]
+           "DEVICES", "OPTIMIZER_NAMES", "SPATIAL_RESTRICTIONS", "SPATIAL_PROLONGATIONS",
+           "spatial_levels"]
 
 METHODS = ("serial", "mgrit", "sequential", "decoupled")
-BUNDLED = ("mnist5k", "digits", "peaks")
+BUNDLED = ("mnist5k", "digits", "peaks", "voxels", "voxels31")
 #: ``--bias-monitor`` choices: off, or a :class:`~mgrit.training.bias.BiasMonitor` action.
 BIAS_ACTIONS = ("off", "log", "raise", "serial")
 #: ``--device`` choices (mgrit.parallel.device_for_rank for auto / cuda).
@@ -113,6 +116,7 @@ def validate(c, world: int) -> None:
     check_model(c)
     check_initial_guess(c)
     check_schedule_and_sequences(c, world // c.dp)
+    check_spatial(c)
     check_conflicts(c)
 
 

@@ -88,7 +88,8 @@ def exact_evaluation(run: Path) -> dict:
     saved = json.loads((run / "config.json").read_text())
     names = {f.name for f in dataclasses.fields(JobConfig)}
     cfg = {k: v for k, v in saved.items() if k in names}
-    cfg.update(method="serial", dp=1, resume=None, checkpoint_every=0)
+    cfg.update(method="serial", dp=1, resume=None, checkpoint_every=0,
+               spatial_coarsening="", spatial_restrict=None, spatial_prolong=None)  # MGRIT only
     c = JobConfig(**cfg).validated(1)
     dtype = torch.float64 if c.dtype == "float64" else torch.float32
     torch.set_default_dtype(dtype)

@@ -4,7 +4,7 @@ baselines it is compared with, and the planner.
 Public names here (from :mod:`mgrit.perf.model`, :mod:`mgrit.perf.steptime` and
 :mod:`mgrit.perf.configs`):
 :class:`StepCost`, :class:`CommCost`, :func:`calibrate_step`, :func:`pingpong`,
-:func:`simulate`, :class:`TrainCosts`, :func:`training_times`, :func:`plan`,
+:func:`simulate`, :func:`spatial_level_cost`, :class:`TrainCosts`, :func:`training_times`, :func:`plan`,
 :func:`scaling_table`. Submodules: :mod:`~mgrit.perf.strategies` (predicted times of serial,
 data-parallel, GPipe, MGRIT and hybrid grids), :mod:`~mgrit.perf.planner` (what to run: a
 convergence probe of the user's network + calibrated costs -> a recommendation),

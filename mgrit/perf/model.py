@@ -29,7 +29,7 @@ from ..grid import Hierarchy, Partition
 from ..options import MGRITOptions
 
 __all__ = ["StepCost", "CommCost", "fit_step_cost", "calibrate_step", "pingpong", "simulate",
-           "Simulation", "layerwise_time", "pipelined_time"]
+           "Simulation", "layerwise_time", "pipelined_time", "spatial_level_cost"]
 
 
 @dataclass(frozen=True)
@@ -145,30 +145,34 @@ class Simulation:
 
 
 class _Replay:
-    def __init__(self, N, P, opts, batched, tau, comm_cost, nbytes):
+    def __init__(self, N, P, opts, batched, tau, comm_cost, nbytes, level_cost=None):
         part = Partition.even(N, P)
         self.h = [Hierarchy(part, r, opts.cfactor, opts.max_levels, opts.min_coarse).levels
                   for r in range(P)]
         self.P, self.opts, self.batched, self.tau = P, opts, batched, tau
-        self.beta = comm_cost.message(nbytes)
+        n = len(self.h[0])
+        lc = tuple(level_cost or ())
+        self.scale = [float(lc[min(l, len(lc) - 1)]) if lc else 1.0 for l in range(n)]
+        self.betas = [comm_cost.message(int(round(nbytes * c))) for c in self.scale]
+        self.beta = self.betas[0]
         self.red = comm_cost.message(8) * max(1, math.ceil(math.log2(P))) if P > 1 else 0.0
         self.s = Simulation(P)
         self.cache = [[None] * len(self.h[0]) for _ in range(P)]
 
-    def phi(self, r, n):
+    def phi(self, r, n, l):
         if n == 1 or not self.batched:
-            return self.single(r, n)
+            return self.single(r, n, l)
         self.s.steps_batched_calls[r] += 1
         self.s.steps_batched_items[r] += n
-        self.s.time[r] += self.tau.batched(n)
+        self.s.time[r] += self.tau.batched(n) * self.scale[l]
 
-    def single(self, r, n=1):
+    def single(self, r, n, l):
         self.s.steps_single[r] += n
-        self.s.time[r] += n * self.tau.single
+        self.s.time[r] += n * self.tau.single * self.scale[l]
 
-    def send(self, r):
+    def send(self, r, l):
         self.s.messages[r] += 1
-        return self.s.time[r] + self.beta
+        return self.s.time[r] + self.betas[l]
 
     def f_relax(self, l):
         arrive = None  # arrival time of the previous rank's message (ranks in chain order)
@@ -185,16 +189,16 @@ class _Replay:
                 for k in range(1, m):
                     if first_c + k >= stop:
                         break
-                    self.phi(r, len(range(first_c + k - 1, stop - 1, m)))
+                    self.phi(r, len(range(first_c + k - 1, stop - 1, m)), l)
                     if range(first_c + k, stop, m)[-1] == hi:
-                        out = self.send(r)
+                        out = self.send(r, l)
             if recv:
                 end = min(first_c, hi)
                 self.s.time[r] = max(self.s.time[r], arrive)
-                self.single(r, max(end - lo - 1, 0))
+                self.single(r, max(end - lo - 1, 0), l)
                 if end == hi and send:
-                    self.single(r)
-                    out = self.send(r)
+                    self.single(r, 1, l)
+                    out = self.send(r, l)
             arrive = out
 
     def incoming(self, l, mod):
@@ -209,9 +213,9 @@ class _Replay:
             local = range(first_t + mod if recv else first_t, hi + 1 if send else hi, mod)
             out = None
             if len(local):
-                self.phi(r, len(local))
+                self.phi(r, len(local), l)
                 if send:
-                    out = self.send(r)
+                    out = self.send(r, l)
             if recv:
                 self.s.time[r] = max(self.s.time[r], arrive)
             self.cache[r][l] = mod
@@ -230,8 +234,8 @@ class _Replay:
             self.cache[r][l] = None
             if lv.lo > 0:
                 self.s.time[r] = max(self.s.time[r], arrive)
-            self.single(r, lv.n_local - (0 if lv.next is not None else 1))
-            arrive = self.send(r) if lv.next is not None else None
+            self.single(r, lv.n_local - (0 if lv.next is not None else 1), l)
+            arrive = self.send(r, l) if lv.next is not None else None
 
     def allreduce(self):
         if self.P > 1:
@@ -294,21 +298,55 @@ _ZERO = StepCost(0.0, 0.0, 0.0)
 
 def simulate(n_intervals: int, nprocs: int, options: MGRITOptions, iterations: int | None = None,
              batched: bool | None = None, tau: StepCost = _ZERO, comm: CommCost = CommCost(),
-             nbytes: int = 0, initial_guess: bool = False) -> Simulation:
+             nbytes: int = 0, initial_guess: bool = False,
+             level_cost: Sequence[float] | None = None) -> Simulation:
     """Replay ``iterations`` cycles (default ``options.max_iter``; a fixed-iteration solve,
     or the cycles a tolerance solve took) of ``MGRIT.solve`` on ``nprocs`` ranks.
     ``batched`` defaults to ``options.batched`` (pass False for a propagator without a batched
     kernel). ``initial_guess``: the solve was given one (warm start); with ``tol`` or ``rtol``
     > 0 the solver then F-relaxes it and evaluates its residual before the first cycle, whose
     leading F-relaxation it skips. ``tau``: step costs; ``comm``/``nbytes``: one message.
-    ValueError: ``N < P``, ``iterations < 1``, bad options."""
+    ``level_cost``: spatial coarsening, level ``l``'s step and message cost relative to the
+    fine level's (``level_cost[l]``, the last entry repeated; :func:`spatial_level_cost`);
+    default all 1 (time-only coarsening). The restriction and prolongation in space are not
+    counted. ValueError: ``N < P``, ``iterations < 1``, bad options or level costs."""
     if not isinstance(options, MGRITOptions):
         raise ValueError(f"options must be MGRITOptions, got {type(options).__name__}")
     iterations = options.max_iter if iterations is None else iterations
     _posint(n_intervals=n_intervals, nprocs=nprocs, iterations=iterations)
     batched = options.batched if batched is None else batched
-    return _Replay(n_intervals, nprocs, options, batched, tau, comm, nbytes).run(
+    if level_cost is not None and not all(isinstance(c, (int, float)) and 0 < c <= 1
+                                          for c in level_cost):
+        raise ValueError(f"level_cost={level_cost!r} is not allowed: use numbers in (0, 1], "
+                         f"one per level (the fine level's is 1)")
+    return _Replay(n_intervals, nprocs, options, batched, tau, comm, nbytes, level_cost).run(
         iterations, bool(initial_guess))
+
+
+def spatial_level_cost(shape: Sequence[int], levels: Sequence[int], n_levels: int,
+                       factor: int = 2) -> tuple:
+    """Cost of a step on each of ``n_levels`` MGRIT levels relative to a fine step under
+    spatial coarsening (``mgrit.spatial.SpatialCoarsening(levels=...)``): level ``l``'s grid
+    is the fine ``shape`` (spatial sides only, e.g. ``(28, 28)`` or ``(15, 15, 15)``)
+    coarsened by ``factor`` per side at every coarsened level ``<= l``; its cost is (coarse
+    points) / (fine points). A side coarsens as the solver's ``grid="auto"`` does: odd
+    (vertex-centred, ``2^k - 1`` points) ``n -> (n + 1) / factor - 1``, even (cell-centred)
+    ``n -> n / factor`` (sides that would drop below 1 stay 1). Example:
+    ``spatial_level_cost((15, 15, 15), (1,), 3) == (1.0, 343 / 3375, 343 / 3375)``.
+    ValueError: an empty shape, a side or ``factor`` < 1 / 2, levels outside 1..n_levels-1."""
+    shape = tuple(int(n) for n in shape)
+    if not shape or min(shape) < 1 or isinstance(factor, bool) or int(factor) < 2:
+        raise ValueError(f"spatial_level_cost: shape={shape!r} (spatial sides >= 1) and "
+                         f"factor={factor!r} (an int >= 2) are not allowed")
+    if any(not 1 <= int(l) < n_levels for l in levels):
+        raise ValueError(f"spatial_level_cost: levels={tuple(levels)!r} must lie in "
+                         f"1..{n_levels - 1} (level 0 is the fine grid)")
+    fine, out, cur = math.prod(shape), [], shape
+    for l in range(n_levels):
+        if l in set(int(v) for v in levels):
+            cur = tuple(max((n + 1) // factor - 1 if n % 2 else n // factor, 1) for n in cur)
+        out.append(math.prod(cur) / fine)
+    return tuple(out)
 
 
 def layerwise_time(N: int, P: int, tau: float, beta: float) -> float:

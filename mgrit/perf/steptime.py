@@ -84,7 +84,7 @@ def one_level_exact(N: int, P: int, fwd: MGRITOptions, bwd: MGRITOptions) -> boo
 
 def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
                  K_f: int, K_b: int, comm: CommCost = CommCost(),
-                 grad: bool = True) -> tuple[float, float]:
+                 grad: bool = True, level_cost=None) -> tuple[float, float]:
     """Critical-path seconds ``(forward, backward)`` of the layer-parallel ResNet in one training
     step (optimizer excluded). MGRIT: the replay of ``K_f`` forward / ``K_b`` adjoint cycles
     plus the per-layer snapshot / gradient sweep and bridge, the solver's fixed costs and the
@@ -92,8 +92,10 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
     autograd layers, ``N pipe + (P - 1) beta`` per direction plus its fixed costs and one
     agreement each (the forward's input check, the backward's). ``grad=False``: an evaluation
     forward (``torch.no_grad``; backward 0): the replay, the solver's fixed cost and the
-    ``*_eval`` residual terms. ValueError: ``costs`` not :class:`TrainCosts`, ``fwd``/``bwd``
-    not MGRITOptions, ``N < P``."""
+    ``*_eval`` residual terms. ``level_cost``: spatial coarsening, each level's step cost
+    relative to a fine step (:func:`mgrit.perf.model.spatial_level_cost`; default time-only).
+    ValueError: ``costs`` not :class:`TrainCosts`, ``fwd``/``bwd`` not MGRITOptions,
+    ``N < P``."""
     if not isinstance(costs, TrainCosts):
         raise ValueError(f"costs must be TrainCosts, got {type(costs).__name__}")
     for name, o in (("fwd", fwd), ("bwd", bwd)):
@@ -104,21 +106,24 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
     if one_level_exact(N, P, fwd, bwd):
         return (layerwise_time(N, P, costs.pipe_fwd, beta) + costs.pipe_fwd_fixed + agree,
                 layerwise_time(N, P, costs.pipe_bwd, beta) + costs.pipe_bwd_fixed + agree)
-    f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes).critical_path
+    f = simulate(N, P, fwd, K_f, None, costs.fwd, comm, costs.nbytes,
+                 level_cost=level_cost).critical_path
     if not grad:
         return max(f + nl * costs.path_eval + costs.solve_fixed + costs.fixed_eval, 0.0), 0.0
-    b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes).critical_path
+    b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes,
+                 level_cost=level_cost).critical_path
     f += nl * (costs.refresh + costs.path_fwd) + costs.solve_fixed + costs.fixed_fwd
     b += nl * (costs.pgrad_item + costs.path_bwd) + costs.solve_fixed + costs.fixed_bwd + agree
     return max(f, 0.0), max(b, 0.0)
 
 
 def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRITOptions,
-                   K_f: int, K_b: int, comm: CommCost = CommCost()) -> dict:
+                   K_f: int, K_b: int, comm: CommCost = CommCost(), level_cost=None) -> dict:
     """Predicted seconds of ``forward``, ``backward`` and ``train`` (step incl. optimizer) of
     ``serial`` (autograd, one rank), ``layerwise`` (blocking chain over ``P`` ranks) and
     ``mgrit`` (the layer-parallel ResNet with these options: ``K_f`` forward / ``K_b`` adjoint
-    cycles, or the one-level exact path when both have one level; :func:`resnet_times`).
+    cycles, or the one-level exact path when both have one level; :func:`resnet_times`, with
+    ``level_cost`` under spatial coarsening).
     Pipelining, data parallelism and hybrids with batch-size-dependent costs:
     :mod:`mgrit.perf.strategies`."""
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
@@ -126,7 +131,7 @@ def training_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MG
     out = {"serial": {"forward": N * sf, "backward": N * sb},
            "layerwise": {"forward": layerwise_time(N, P, sf, beta),
                          "backward": layerwise_time(N, P, sb, beta)}}
-    f, b = resnet_times(N, P, costs, fwd, bwd, K_f, K_b, comm)
+    f, b = resnet_times(N, P, costs, fwd, bwd, K_f, K_b, comm, level_cost=level_cost)
     out["mgrit"] = {"forward": f, "backward": b}
     for k, v in out.items():
         v["train"] = v["forward"] + v["backward"] + (N if k == "serial" else nl) * costs.per_layer

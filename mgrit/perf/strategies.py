@@ -192,16 +192,17 @@ def best_gpipe(c: NetCosts, b: int, P_L: int, comm: CommCost, P_D: int = 1,
 
 
 def mgrit_step(c: NetCosts, b: int, P_L: int, fwd: MGRITOptions, bwd: MGRITOptions, K_f: int,
-               K_b: int, comm: CommCost, P_D: int = 1) -> dict:
+               K_b: int, comm: CommCost, P_D: int = 1, level_cost=None) -> dict:
     """MGRIT over ``P_L`` layer ranks on each replica's shard; returns the parts
-    (``forward``, ``backward``, ``train``) in seconds. ValueError without ``c.mgrit`` costs."""
+    (``forward``, ``backward``, ``train``) in seconds; ``level_cost``: spatial coarsening
+    (:func:`mgrit.perf.model.spatial_level_cost`). ValueError without ``c.mgrit`` costs."""
     if c.mgrit is None:
         raise ValueError("NetCosts.mgrit is None: no MGRIT costs were calibrated")
     shard = _shard(b, P_D)
     tc = c.mgrit(shard)
     tc = replace(tc, nbytes=shard * c.state_bytes)
     n_loc = _shard(c.n_layers, P_L)
-    f, bk = resnet_times(c.n_layers, P_L, tc, fwd, bwd, K_f, K_b, comm)
+    f, bk = resnet_times(c.n_layers, P_L, tc, fwd, bwd, K_f, K_b, comm, level_cost=level_cost)
     # one more small agreement per step: the network's input check (the backward's is in bk)
     agree = comm.message(64) * max(1, math.ceil(math.log2(P_L))) if P_L > 1 else 0.0
     f += c.head_fwd(shard) + c.tail_fwd(shard)

@@ -26,7 +26,8 @@ def test_available_and_every_list_of_names_is_complete():
     """Each message listing allowed names lists every name accepted in its context."""
     from data import load_raw, prepare, source_datasets
 
-    sources = ["cifar10", "digits", "fashion-mnist", "mnist", "mnist5k", "peaks"]
+    sources = ["cifar10", "digits", "fashion-mnist", "mnist", "mnist5k", "peaks", "voxels",
+               "voxels31"]
     assert source_datasets() == sources
     assert available_datasets() == sorted(sources + ["hdf5"])
     with pytest.raises(ValueError) as e:
@@ -37,7 +38,7 @@ def test_available_and_every_list_of_names_is_complete():
             call()
         assert str(e.value) == f"unknown data set 'imagenet'; allowed: {', '.join(sources)}"
     with pytest.raises(ValueError, match=r"'hdf5' names an existing cache pair .*one of cifar10, digits, "
-                                         r"fashion-mnist, mnist, mnist5k, peaks$"):
+                                         r"fashion-mnist, mnist, mnist5k, peaks, voxels, voxels31$"):
         load_raw("hdf5")
     with pytest.raises(ValueError, match=r"hdf5: pass root="):  # accepted, needs its files
         load_dataset("HDF5")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # MPI launches / builds (the quick subset skips t
 pytest.importorskip("sphinx")  # the dev and docs extras install it
 
 FEATURES = ["resnet", "segments", "transformers", "gru", "dataparallel", "checkpoints", "resume",
-            "guard", "layerwise", "mgopt", "mainjob", "tracing"]
+            "guard", "layerwise", "mgopt", "mainjob", "tracing", "spatial_coarsening"]
 API = ["mgrit.solver.MGRIT", "mgrit.options.MGRITOptions", "mgrit.propagator.Propagator",
        "mgrit.nn.LayerParallelResNet", "mgrit.nn.LayerParallelNet", "mgrit.nn.ParallelGRU",
        "mgrit.parallel.ProcessGrid",

@@ -23,6 +23,7 @@ RUNS = [  # (example, arguments), run in this order in one job
     ("layerwise_training", ["--quick"]),
     ("layerwise_training", ["--quick", "--method", "sequential"]),
     ("ode_solver", ["--quick"]),
+    ("spatial_coarsening", ["--quick"]),
 ]
 NUM = r"([-+0-9.e]+)"
 
@@ -87,3 +88,14 @@ def test_ode_solver(outputs):
     err, = _floats(rf"max \|MGRIT - sequential\| = {NUM}", outputs[6])
     cycles, = _floats(r"(\d+) cycles", outputs[6])
     assert err < 1e-9 and cycles < 30
+
+
+def test_spatial_coarsening(outputs):
+    err, = _floats(rf"max \|space-time - serial\| = {NUM}", outputs[7])
+    time_only, space_time = _floats(r"time-only (\d+) cycles, space-time (\d+) cycles",
+                                    outputs[7])
+    assert err < 1e-9 and 1 <= time_only < 50 and 1 <= space_time < 50
+    cost, = _floats(rf"level-1 step costs {NUM} of a fine step", outputs[7])
+    assert abs(cost - 343 / 3375) < 1e-4
+    first, last = _floats(rf"training loss {NUM} -> {NUM}", outputs[7])
+    assert last < first

@@ -1,7 +1,8 @@
 """Step modules F of a residual network x_{k+1} = x_k + h F(x_k; theta_k).
 
 Every step maps a state to a state of the same shape; any user ``nn.Module`` with that property
-works. Shapes: dense states ``(batch, width)``; convolutional states ``(batch, C, H, W)``.
+works. Shapes: dense states ``(batch, width)``; convolutional states ``(batch, C, H, W)``
+(``dims=2``, the default) or ``(batch, C, D, H, W)`` (``dims=3``, voxel grids).
 dtype follows the module's parameters (float64 for exact tests, float32 for training).
 
 Fast paths (contract in :mod:`mgrit.nn.chains.contract`): the native kernels here (``forward_batched``,
@@ -88,12 +89,16 @@ def _linear_obstacle(owner: str, name: str, m: nn.Module, bias: bool = True) -> 
     return None
 
 
+_CONVS = {2: nn.Conv2d, 3: nn.Conv3d}  # dims -> the convolution of a conv step
+
+
 def _conv_obstacle(owner: str, name: str, m: nn.Module, bias: bool = True) -> str | None:
-    if (type(m) is not nn.Conv2d or (bias and m.bias is None) or m.stride != (1, 1)
-            or m.dilation != (1, 1) or m.groups != 1 or m.padding_mode != "zeros"
+    one = (1,) * len(getattr(m, "stride", ()))
+    if (type(m) not in _CONVS.values() or (bias and m.bias is None) or m.stride != one
+            or m.dilation != one or m.groups != 1 or m.padding_mode != "zeros"
             or isinstance(m.padding, str)):
-        return (f"{owner}.{name} is not a plain nn.Conv2d (stride 1, dilation 1, groups 1, "
-                f"zero padding given as numbers{', with a bias' if bias else ''})")
+        return (f"{owner}.{name} is not a plain nn.Conv2d or nn.Conv3d (stride 1, dilation 1, "
+                f"groups 1, zero padding given as numbers{', with a bias' if bias else ''})")
     return None
 
 
@@ -209,31 +214,36 @@ class DenseStep(nn.Module):
 
 
 def _grouped_conv(x, weight, bias, padding):
-    """Apply ``B`` different ``C -> C`` convolutions to ``x`` ``(B, n, C, H, W)`` with one
-    ``conv2d`` call (``groups = B``); ``weight`` ``(B, C, C, k, k)``, ``bias`` ``(B, C)``."""
-    B, n, C, H, W = x.shape
-    xr = x.transpose(0, 1).reshape(n, B * C, H, W)
-    y = torch.nn.functional.conv2d(xr, weight.reshape(B * C, *weight.shape[2:]),
-                                   None if bias is None else bias.reshape(B * C),
-                                   padding=padding, groups=B)
+    """Apply ``B`` different ``C -> C`` convolutions to ``x`` ``(B, n, C, *S)`` (``S`` = H, W
+    or D, H, W) with one ``conv2d``/``conv3d`` call (``groups = B``); ``weight``
+    ``(B, C, C, k, ...)``, ``bias`` ``(B, C)``."""
+    B, n, C, *S = x.shape
+    conv = torch.nn.functional.conv3d if len(S) == 3 else torch.nn.functional.conv2d
+    xr = x.transpose(0, 1).reshape(n, B * C, *S)
+    y = conv(xr, weight.reshape(B * C, *weight.shape[2:]),
+             None if bias is None else bias.reshape(B * C), padding=padding, groups=B)
     return y.reshape(n, B, C, *y.shape[2:]).transpose(0, 1)
 
 
-def _check_conv(channels, kernel):
+def _check_conv(channels, kernel, dims=2):
     if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
         raise ValueError(f"channels={channels!r} is not allowed: use an int >= 1")
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"kernel={kernel!r} is not allowed: use an odd int >= 1")
+    if isinstance(dims, bool) or dims not in _CONVS:
+        raise ValueError(f"dims={dims!r} is not allowed: use 2 (images, states (batch, C, H, "
+                         f"W)) or 3 (voxels, states (batch, C, D, H, W))")
 
 
 class ConvStep(nn.Module):
     """``F(x) = act(K * x + b)``: one ``channels -> channels`` convolution, 'same' padding
-    (odd ``kernel``); states ``(batch, channels, H, W)``."""
+    (odd ``kernel``); states ``(batch, channels, H, W)``, or ``(batch, channels, D, H, W)``
+    with ``dims=3`` (an ``nn.Conv3d``). Raises ValueError for a bad channels, kernel or dims."""
 
-    def __init__(self, channels: int, kernel: int = 3, act: str = "relu"):
+    def __init__(self, channels: int, kernel: int = 3, act: str = "relu", dims: int = 2):
         super().__init__()
-        _check_conv(channels, kernel)
-        self.conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2)
+        _check_conv(channels, kernel, dims)
+        self.conv = _CONVS[dims](channels, channels, kernel, padding=kernel // 2)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,15 +268,18 @@ class TwoConvStep(nn.Module):
         act: ``"relu"`` (default), ``"tanh"`` or ``"smoothrelu"``.
         bias: give both convolutions a bias (default False: the block of our first
             reproduction; TorchBraid's example uses ``nn.Conv2d``'s default, ``bias=True``).
+        dims: 2 (default, ``nn.Conv2d``) or 3 (``nn.Conv3d``, states ``(batch, C, D, H, W)``).
     """
 
-    def __init__(self, channels: int, kernel: int = 3, act: str = "relu", bias: bool = False):
+    def __init__(self, channels: int, kernel: int = 3, act: str = "relu", bias: bool = False,
+                 dims: int = 2):
         super().__init__()
-        _check_conv(channels, kernel)
+        _check_conv(channels, kernel, dims)
         if not isinstance(bias, bool):
             raise ValueError(f"bias={bias!r} is not allowed: use True or False")
-        self.conv1 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=bias)
-        self.conv2 = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, bias=bias)
+        conv = _CONVS[dims]
+        self.conv1 = conv(channels, channels, kernel, padding=kernel // 2, bias=bias)
+        self.conv2 = conv(channels, channels, kernel, padding=kernel // 2, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,15 +299,17 @@ class TwoConvStep(nn.Module):
         return self.act(_grouped_conv(y, p["conv2.weight"], p.get("conv2.bias"), pad))
 
 
-def make_step(kind: str, features: int, act: str, kernel: int = 3, bias: bool = False) -> nn.Module:
+def make_step(kind: str, features: int, act: str, kernel: int = 3, bias: bool = False,
+              dims: int = 2) -> nn.Module:
     """Factory used by the main job: ``kind`` in ``dense | conv | twoconv`` (``bias``: the
-    two-conv step's convolution biases; dense and conv steps always have one)."""
+    two-conv step's convolution biases; dense and conv steps always have one; ``dims``: 2 or
+    3, the spatial dimensions of a conv step's states)."""
     if kind == "dense":
         return DenseStep(features, act)
     if kind == "conv":
-        return ConvStep(features, kernel, act)
+        return ConvStep(features, kernel, act, dims)
     if kind == "twoconv":
-        return TwoConvStep(features, kernel, act, bias)
+        return TwoConvStep(features, kernel, act, bias, dims)
     raise ValueError(f"step type {kind!r} is not allowed: use 'dense', 'conv' or 'twoconv'")
 
 
