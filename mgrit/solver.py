@@ -125,6 +125,13 @@ class MGRIT:
         self.root = partition.owner(0)
         if options.max_levels > 1 and self.hierarchy.n_levels == 1 and self.rank == 0:
             warn_single_level(propagator, n_intervals, options.cfactor, options.min_coarse)
+        bare = [lv for lv in range(1, self.hierarchy.n_levels) if spatial is not None
+                and spatial.coarsens(lv) and options.sweeps(lv - 1) == 0]
+        if bare and self.rank == 0:  # (I - P R) e_C is never relaxed: measured stagnation
+            warnings.warn(f"spatial coarsening of level(s) {bare} under F-relaxation on the "
+                          f"level above: the C-point error the coarse grid cannot represent is "
+                          f"never corrected and the solve stagnates; use relax='FCF' there "
+                          f"(docs/features/spatial_coarsening.rst)", stacklevel=2)
         self.stats = SolverStats()  # accumulated over all solves
         #: ``None`` (default) or a recorder with the hooks of :class:`mgrit.perf.trace.Tracer`:
         #: each solve then records this rank's operations, messages and collectives.
