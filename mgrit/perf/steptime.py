@@ -100,7 +100,7 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
         if not isinstance(o, MGRITOptions):
             raise ValueError(f"{name} must be MGRITOptions, got {type(o).__name__}")
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
-    agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # one small agreement
+    agree = comm.reduction(P)  # one small agreement
     if one_level_exact(N, P, fwd, bwd):
         return (layerwise_time(N, P, costs.pipe_fwd, beta) + costs.pipe_fwd_fixed + agree,
                 layerwise_time(N, P, costs.pipe_bwd, beta) + costs.pipe_bwd_fixed + agree)

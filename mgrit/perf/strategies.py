@@ -203,7 +203,7 @@ def mgrit_step(c: NetCosts, b: int, P_L: int, fwd: MGRITOptions, bwd: MGRITOptio
     n_loc = _shard(c.n_layers, P_L)
     f, bk = resnet_times(c.n_layers, P_L, tc, fwd, bwd, K_f, K_b, comm)
     # one more small agreement per step: the network's input check (the backward's is in bk)
-    agree = comm.message(64) * max(1, math.ceil(math.log2(P_L))) if P_L > 1 else 0.0
+    agree = comm.reduction(P_L)
     f += c.head_fwd(shard) + c.tail_fwd(shard)
     bk += agree + (c.head_fb(shard) - c.head_fwd(shard)) + (c.tail_fb(shard) - c.tail_fwd(shard))
     train = (f + bk + c.step_fixed + n_loc * tc.per_layer + c.opt_other

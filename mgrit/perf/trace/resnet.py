@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from mpi4py import MPI
@@ -30,13 +31,16 @@ from .recorder import Tracer
 from .replay import replay
 from .trace import Trace
 
-__all__ = ["trace_resnet", "main"]
+__all__ = ["trace_resnet", "main", "CLOCKS"]
+
+#: The clocks a traced run can use (command line ``--clock``).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int = 8,
                  forward: MGRITOptions | None = None, backward: MGRITOptions | None = None,
                  steps: int = 1, seed: int = 0, dtype: torch.dtype = torch.float64,
-                 act: str = "tanh") -> tuple[Trace | None, LayerParallelResNet, Tracer]:
+                 act: str = "tanh", clock=None) -> tuple[Trace | None, LayerParallelResNet, Tracer]:
     """Build a dense ResNet (``n_layers`` :class:`~mgrit.nn.DenseStep` of ``width``, tanh,
     ``T = 1``) on the ranks of ``comm``, run ``steps`` forward+backward passes of the loss
     ``sum(y**2) / batch`` on a seeded input ``(batch, width)``, recording both solvers.
@@ -45,14 +49,17 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
     Args:
         forward, backward: solver options (default: 2 levels, ``cfactor=4``, 2 forward and
             1 backward fixed cycles, ``tol = 0``: inexact training, TorchBraid's setting).
+        clock: the tracer's and the step times' clock (seconds; default
+            ``time.perf_counter``; ``time.process_time``: this rank's CPU time, which a loaded
+            machine perturbs less -- waits then count as the CPU MPI's polling spends).
 
     Returns:
         ``(trace on rank 0 / None elsewhere, the model, this rank's tracer)``; the model's
         ``forward_solver.stats`` and ``backward_solver.stats`` are the solver's own counters
         of the traced solves (fresh model: nothing else ran). Solves are labelled
         ``"forward"`` and ``"adjoint"``. The trace's ``meta["step_walls"]``: each training
-        step's wall clock (seconds, forward + backward with the untraced bridge, the largest
-        over the ranks; measured).
+        step's time on ``clock`` (seconds, forward + backward with the untraced bridge, the
+        largest over the ranks; measured).
 
     Raises:
         ValueError: both solves have one level (nothing to trace: the one-level exact path
@@ -66,7 +73,7 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
         raise ValueError(f"forward={fwd!r} and backward={bwd!r} have one level each: the "
                          f"ResNet then runs its one-level exact path, which has no MGRIT solve "
                          f"to trace; use max_levels >= 2")
-    tracer = Tracer()
+    tracer = Tracer() if clock is None else Tracer(clock=clock)
     tracer.attach(model.forward_solver, "forward")
     tracer.attach(model.backward_solver, "adjoint")
     x = torch.randn(batch, width, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1))
@@ -80,7 +87,7 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
     meta = {"network": f"dense ResNet, {n_layers} layers, width {width}, {act}",
             "batch": batch, "dtype": str(dtype), "steps": steps, "P": comm.Get_size(),
             "forward": repr(fwd), "backward": repr(bwd), "n_layers": n_layers,
-            "step_walls": walls}
+            "step_walls": walls, "clock": getattr(tracer.clock, "__name__", str(tracer.clock))}
     return tracer.gather(comm, 0, meta), model, tracer
 
 
@@ -99,14 +106,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pingpong", action="store_true",
                     help="also measure a ping-pong between ranks 0 and 1 (P >= 2) and store the "
                          "fitted latency (s) and bandwidth (B/s) in the trace's meta")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall (time.perf_counter) or cpu (time.process_time: per-rank CPU "
+                         "time; also the ping-pong's clock); default wall")
     ap.add_argument("--out", required=True, help="JSON file written by rank 0")
     a = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     opts = dict(max_levels=a.levels, cfactor=a.cfactor, tol=0.0)
     trace, _, _ = trace_resnet(comm, a.layers, a.width, a.batch,
                                MGRITOptions(max_iter=a.iters, **opts),
-                               MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps)
-    pp = pingpong(comm) if a.pingpong else None  # 8 B and 64 KiB messages
+                               MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps,
+                               clock=CLOCKS[a.clock])
+    pp = pingpong(comm, clock=CLOCKS[a.clock]) if a.pingpong else None  # 8 B and 64 KiB
     if trace is not None:
         if pp is not None:
             trace.meta["pingpong"] = {"latency": pp.latency, "bandwidth": pp.bandwidth}

@@ -20,9 +20,10 @@ from tests.chains import BatchedTanhChain
 
 COMM = MPI.COMM_WORLD
 FREE = CommCost(0.0, math.inf)
-COSTS = [(UNIT, FREE), (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3))]
+COSTS = [(UNIT, FREE), (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3)),
+         (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3, host=0.25, collective=2.0))]
 SIM_KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages",
-            "allreduces")
+            "bytes_sent", "allreduces")
 #: (N, levels, cfactor, relax, cycle, iterations, batched, nested, skip) -- N >= 8 ranks
 CASES = [
     (32, 2, 4, "F", "V", 2, True, False, False),
@@ -119,12 +120,13 @@ def check_solver_traces():
     return {"messages": msgs, "unit_critical_paths": paths}
 
 
-def check_resnet_trace(n_layers=32, width=4, batch=4):
+def check_resnet_trace(n_layers=None, width=4, batch=4):
     """A layer-parallel ResNet's forward + backward (MGRIT forward, adjoint MGRIT): tallies
     per rank and solve == the forward and adjoint solvers' own counters; replay == simulate
     (the adjoint runs on the reversed partition: rank r is simulate's chain position of its
     block; ``n_layers`` divisible by P keeps the blocks even, as simulate assumes)."""
     P = COMM.Get_size()
+    n_layers = n_layers or 12 * P  # even blocks of 12 = 3 coarse intervals of m = 4 per rank
     trace, model, _ = trace_resnet(COMM, n_layers, width, batch)
     mine = {"forward": _stats(model.forward_solver.stats),
             "adjoint": _stats(model.backward_solver.stats)}
