@@ -26,12 +26,12 @@ from mpi4py import MPI
 
 from ...nn import DenseStep, LayerParallelResNet
 from ...options import MGRITOptions
-from ..model import pingpong
+from ..model import CommCost, pingpong
 from .recorder import Tracer
 from .replay import replay
 from .trace import Trace
 
-__all__ = ["trace_resnet", "main", "CLOCKS"]
+__all__ = ["trace_resnet", "library_costs", "main", "CLOCKS"]
 
 #: The clocks a traced run can use (command line ``--clock``).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -91,6 +91,56 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
     return tracer.gather(comm, 0, meta), model, tracer
 
 
+def library_costs(comm: MPI.Comm, clock=time.perf_counter, repeats: int = 200,
+                  nbytes: int = 512) -> CommCost | None:
+    """The message and collective costs of the solver's own exchange between ranks 0 and 1
+    (collective over ``comm``; ``None`` on fewer than 2 ranks): :func:`~mgrit.perf.model.pingpong`'s
+    latency and bandwidth (raw MPI), ``host`` = (half the round trip of an
+    :class:`~mgrit.comm.Exchanger` message of ``nbytes`` - half a raw one) / 2 (each end's
+    library work), ``collective`` = the mean of the solver's two small collectives on the
+    ranks (the residual's ``allreduce`` of 3 numbers and the validation's
+    :func:`~mgrit.collective.allgather_within`). Medians of ``repeats`` timings on ``clock``,
+    each after a barrier."""
+    if comm.Get_size() < 2:
+        return None
+    import statistics
+
+    import numpy as np
+
+    from ...collective import allgather_within
+    from ...comm import Exchanger
+    from ...stats import SolverStats
+    raw = pingpong(comm, clock=clock)
+    rank = comm.Get_rank()
+    ex = Exchanger(comm, (nbytes // 8,), torch.float64, "cpu", SolverStats())
+    t = torch.zeros(nbytes // 8, dtype=torch.float64)
+    local = np.zeros(3)
+
+    def lib():
+        if rank == 0:
+            ex.isend(t, 1, 5)
+            ex.recv(1, 5)
+        elif rank == 1:
+            ex.recv(0, 5)
+            ex.isend(t, 0, 5)
+        ex.waitall()
+
+    def timed(fn):
+        out = []
+        for _ in range(repeats):
+            comm.Barrier()
+            t0 = clock()
+            fn()
+            out.append(clock() - t0)
+        return statistics.median(out)
+    half = timed(lib) / 2
+    coll = (timed(lambda: comm.allreduce(local)) +
+            timed(lambda: allgather_within(comm, (None, (1,)), "a costs probe"))) / 2
+    half, coll = comm.bcast((half, coll), root=0)
+    host = max((half - raw.message(nbytes)) / 2, 0.0)
+    return CommCost(raw.latency, raw.bandwidth, host, coll)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mgrit.perf.trace.resnet",
                                  description="Record the MGRIT forward and adjoint solves of a "
@@ -104,8 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--adjoint-iters", type=int, default=1, help="adjoint cycles (default 1)")
     ap.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
     ap.add_argument("--pingpong", action="store_true",
-                    help="also measure a ping-pong between ranks 0 and 1 (P >= 2) and store the "
-                         "fitted latency (s) and bandwidth (B/s) in the trace's meta")
+                    help="also measure the message costs between ranks 0 and 1 (P >= 2; "
+                         "library_costs) and store latency (s), bandwidth (B/s), host (s per "
+                         "message end) and collective (s) in the trace's meta")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall (time.perf_counter) or cpu (time.process_time: per-rank CPU "
                          "time; also the ping-pong's clock); default wall")
@@ -117,10 +168,11 @@ def main(argv=None) -> int:
                                MGRITOptions(max_iter=a.iters, **opts),
                                MGRITOptions(max_iter=a.adjoint_iters, **opts), a.steps,
                                clock=CLOCKS[a.clock])
-    pp = pingpong(comm, clock=CLOCKS[a.clock]) if a.pingpong else None  # 8 B and 64 KiB
+    pp = library_costs(comm, CLOCKS[a.clock]) if a.pingpong else None
     if trace is not None:
         if pp is not None:
-            trace.meta["pingpong"] = {"latency": pp.latency, "bandwidth": pp.bandwidth}
+            trace.meta["pingpong"] = {"latency": pp.latency, "bandwidth": pp.bandwidth,
+                                      "host": pp.host, "collective": pp.collective}
         trace.messages()  # every send matched by its receive, or ValueError
         trace.to_json(a.out)
         res = replay(trace)
