@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from ...nn import DenseStep, LayerParallelResNet
 from ...options import MGRITOptions
-from ..model import CommCost, pingpong
+from ..model import CommCost
 from .recorder import Tracer
 from .replay import replay
 from .trace import Trace
@@ -94,27 +94,34 @@ def trace_resnet(comm: MPI.Comm, n_layers: int = 32, width: int = 4, batch: int 
 def library_costs(comm: MPI.Comm, clock=time.perf_counter, repeats: int = 200,
                   nbytes: int = 512) -> CommCost | None:
     """The message and collective costs of the solver's own exchange between ranks 0 and 1
-    (collective over ``comm``; ``None`` on fewer than 2 ranks): :func:`~mgrit.perf.model.pingpong`'s
-    latency and bandwidth (raw MPI), ``host`` = (half the round trip of an
-    :class:`~mgrit.comm.Exchanger` message of ``nbytes`` - half a raw one) / 2 (each end's
-    library work), ``collective`` = the mean of the solver's two small collectives on the
-    ranks (the residual's ``allreduce`` of 3 numbers and the validation's
-    :func:`~mgrit.collective.allgather_within`). Medians of ``repeats`` timings on ``clock``,
-    each after a barrier."""
+    (collective over ``comm``; ``None`` on fewer than 2 ranks): latency and bandwidth of raw
+    MPI messages (round trips of 8 B and 64 KiB, as :func:`~mgrit.perf.model.pingpong`),
+    ``host`` = (half the round trip of an :class:`~mgrit.comm.Exchanger` message of ``nbytes``
+    - half a raw one) / 2 (each end's library work), ``collective`` = the mean of the solver's
+    two small collectives (the residual's ``allreduce`` of 3 numbers and the validation's
+    :func:`~mgrit.collective.allgather_within`). Each the minimum of ``repeats`` timings on
+    ``clock``, each after a barrier: the run in which neither rank lost its core (on a loaded
+    machine a busy-polling wait for a descheduled partner costs CPU time too)."""
     if comm.Get_size() < 2:
         return None
-    import statistics
-
     import numpy as np
 
     from ...collective import allgather_within
     from ...comm import Exchanger
     from ...stats import SolverStats
-    raw = pingpong(comm, clock=clock)
     rank = comm.Get_rank()
     ex = Exchanger(comm, (nbytes // 8,), torch.float64, "cpu", SolverStats())
     t = torch.zeros(nbytes // 8, dtype=torch.float64)
     local = np.zeros(3)
+
+    def raw(n):
+        buf = np.zeros(n, dtype=np.uint8)
+
+        def rt():
+            if rank < 2:  # rank 0 sends first, rank 1 answers
+                (comm.Send if rank == 0 else comm.Recv)(buf, 1 - rank, 7)
+                (comm.Recv if rank == 0 else comm.Send)(buf, 1 - rank, 7)
+        return rt
 
     def lib():
         if rank == 0:
@@ -125,20 +132,24 @@ def library_costs(comm: MPI.Comm, clock=time.perf_counter, repeats: int = 200,
             ex.isend(t, 0, 5)
         ex.waitall()
 
-    def timed(fn):
+    def best(fn):
+        fn()  # warm-up
         out = []
         for _ in range(repeats):
             comm.Barrier()
             t0 = clock()
             fn()
             out.append(clock() - t0)
-        return statistics.median(out)
-    half = timed(lib) / 2
-    coll = (timed(lambda: comm.allreduce(local)) +
-            timed(lambda: allgather_within(comm, (None, (1,)), "a costs probe"))) / 2
-    half, coll = comm.bcast((half, coll), root=0)
-    host = max((half - raw.message(nbytes)) / 2, 0.0)
-    return CommCost(raw.latency, raw.bandwidth, host, coll)
+        return min(out)
+    big = 1 << 16
+    r8, rbig, rlib = best(raw(8)) / 2, best(raw(big)) / 2, best(lib) / 2
+    coll = (best(lambda: comm.allreduce(local)) +
+            best(lambda: allgather_within(comm, (None, (1,)), "a costs probe"))) / 2
+    r8, rbig, rlib, coll = comm.bcast((r8, rbig, rlib, coll), root=0)
+    bw = (big - 8) / max(rbig - r8, 1e-12)
+    lat = max(r8 - 8 / bw, 0.0)
+    host = max((rlib - (lat + nbytes / bw)) / 2, 0.0)
+    return CommCost(lat, bw, host, coll)
 
 
 def main(argv=None) -> int:
