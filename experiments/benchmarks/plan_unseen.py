@@ -39,7 +39,8 @@ calibrations (each a full ``recommend``: costs timed in 1 process, 5 timing repe
 probes, message cost from this machine's ping-pong); then one 2-rank MPI job measures every
 option any calibration could point to, for real (as ``plan.py --validate``: interleaved repeats,
 wall clock, max over ranks, each timed step right after an untimed one of the same option):
-serial (rank 0), data parallelism (GradientBuckets), both on the lean loop too, GPipe (M = 1 and every M a calibration
+serial (rank 0), data parallelism (GradientBuckets), both on the lean loop too, GPipe (M = 1
+and every M a calibration
 chose), MGRIT with every configuration a calibration chose, and the compiled baselines the
 planner does not model: ``torch.compile`` of the serial step and of the data-parallel step
 (``compiled_resnet.py``; blocks of 8 residual steps, inductor; the remainder of ``N mod 8``

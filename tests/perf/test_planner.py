@@ -168,8 +168,8 @@ def test_lean_netcosts_only_for_dense_steps():
     lc = planner.lean_netcosts(net, c, 2, 64, repeats=1)
     assert lc.n_layers == 8 and lc.opt_other == 1e-4 and lc.mgrit is None
     assert lc.layer_fb.sizes == c.layer_fb.sizes and all(t > 0 for t in lc.layer_fb.times)
-    other = planner.Network.from_factory(lambda k: nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double(),
-                                         8, (3,))
+    other = planner.Network.from_factory(
+        lambda k: nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double(), 8, (3,))
     assert planner.lean_netcosts(other, c, 2, 64, repeats=1) is None
 
 
