@@ -54,7 +54,10 @@ quartiles, max, how many within 1.05). The planner never recommends a compiled o
 compiled winner shows up as regret > 1: that is the point of including them.
 
 Full mode: 12 networks, 3 calibrations each, 10 interleaved repeats per option. Run time: 585 s
-(10 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``). ``--smoke``/``--quick``:
+(10 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``), before issue 34 added
+the lean candidates (a lean calibration per recommendation, two more measured options per
+network) and 5 calibration repeats instead of 3: an estimated 13-15 min now (not measured
+quiet). ``--smoke``/``--quick``:
 2 tiny networks, 2 calibrations, 2 repeats, 2 probes, the nominal message cost (no ping-pong
 launch), ``aot_eager`` compile backend over blocks of 2 steps (exercises dynamo and AOTAutograd
 without inductor's code generation), well under a minute on 2 idle cores.

@@ -55,10 +55,11 @@ Library API (for other studies, e.g. extrapolations that need the validated mode
 ``gradient_error``, :func:`mgrit.perf.trace.replay` (``host``, ``per_solve``), and
 :func:`predict` / :func:`curves` here.
 
-Full mode: 96 s measured at 48a9d82, 2 idle cores (``results/manifest.json``). Smoke: 5
-launches, about 25 s idle (1.5-2.5 min measured at load ~10 on the shared 2 cores, 38 CPU-s).
-The smoke's numbers at that load are not evidence (preemption); the full run belongs on a quiet
-machine.
+Full mode: 96 s measured at 48a9d82 on 2 idle cores before issue 34 added the two
+``--check-nets`` networks (3 more calibrations and P = 2 runs each); now an estimated 8-12 min
+(not measured quiet). Smoke: about 6.5 min wall at load 15-20 on the shared 2 cores (60 CPU-s).
+The smoke's numbers at that load are not evidence (preemption; MPI's busy-polling waits count
+as CPU time while the partner rank is descheduled); the full run belongs on a quiet machine.
 Writes ``<out>/scaling_replay/``: ``table.md``, ``summary.md``, ``headline.json``,
 ``scaling_replay.raw.json`` (every number), ``strong.png``, ``weak.png``,
 ``efficiency.png`` and the traces (``trace_P{P}_r{k}.json``).
