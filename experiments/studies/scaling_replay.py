@@ -56,8 +56,8 @@ Library API (for other studies, e.g. extrapolations that need the validated mode
 :func:`predict` / :func:`curves` here.
 
 Full mode: 96 s measured at 48a9d82 on 2 idle cores before issue 34 added the two
-``--check-nets`` networks (3 more calibrations and P = 2 runs each); now an estimated 8-12 min
-(not measured quiet). Smoke: about 6.5 min wall at load 15-20 on the shared 2 cores (60 CPU-s).
+``--check-nets`` networks (3 more calibrations and P = 2 runs each; one calibration of
+512 x 32 costs 5.6 CPU-s); now an estimated 4-6 min (not measured quiet). Smoke: about 6.5 min wall at load 15-20 on the shared 2 cores (60 CPU-s).
 The smoke's numbers at that load are not evidence (preemption; MPI's busy-polling waits count
 as CPU time while the partner rank is descheduled); the full run belongs on a quiet machine.
 Writes ``<out>/scaling_replay/``: ``table.md``, ``summary.md``, ``headline.json``,
