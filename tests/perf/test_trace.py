@@ -248,7 +248,7 @@ def test_trace_bookkeeping_mpi(nprocs, check):
 
 def test_step_costs_fitted_to_recorded_steps():
     ev = [["step", 0.0, 1.0, 0, 0, 1, 0], ["step", 1.0, 4.0, 0, 1, 1, 0],
-          ["step", 4.0, 6.0, 1, 0, 1, 0],                       # singles 1, 3, 2: median 2
+          ["step", 4.0, 6.0, 1, 0, 1, 0],                       # singles 1, 3, 2: mean 2
           ["step", 6.0, 9.0, 0, 0, 2, 1], ["step", 9.0, 14.0, 0, 0, 4, 1]]  # 3 = c + 2i, 5 = c + 4i
     t = Trace([{"rank": 0, "size": 1, "solves": [_solve(ev, 0.0, 14.0)]}])
     c = step_costs(t)
