@@ -164,7 +164,8 @@ REGISTRY: tuple[Entry, ...] = (
           ("--study", "tied_resnet", "--smoke", "--out", "{out}"), "mixed", "h8 (issue 23)"),
     # issue 24 item 5: traces of the real run at P = 1..16 (oversubscribed), replayed (the
     # script launches its own mpiexec jobs); hS: calibrated host work, validation at P = 1, 2,
-    # modeled strong/weak curves to P = 256 (full ~3 min on 2 idle cores, estimate)
+    # modeled strong/weak curves to P = 256; issue 34.5: CPU time, paired repeats, the P1 -> P2
+    # ratio on 3 networks (full: estimate 4-6 min on 2 idle cores, not measured quiet)
     Entry("scaling_replay", "experiments/studies/scaling_replay.py", None, ("--out", "{out}"),
           ("--smoke", "--out", "{out}"), "mixed", "h24a (issue 24)"),
     # issue 24 item 1: time to a fixed validation accuracy, serial (eager, compiled), data

@@ -112,7 +112,9 @@ class PostedRecv:
         nothing arrived in time (the receive is cancelled; the communicator should not be used
         afterwards)."""
         ex = self._ex
+        tracer = ex.stats.tracer
         t0 = time.perf_counter()
+        c0 = tracer.clock() if tracer is not None else 0.0  # the tracer's clock (CPU or wall)
         status = MPI.Status()
         if timeout is None:
             self._req.Wait(status)
@@ -131,8 +133,8 @@ class PostedRecv:
                 time.sleep(pause)
         t1 = time.perf_counter()
         ex.stats.time["comm_wait"] += t1 - t0
-        if ex.stats.tracer is not None:
-            ex.stats.tracer.recv(self.trace_id, status.Get_count(MPI.BYTE), t0, t1)
+        if tracer is not None:
+            tracer.recv(self.trace_id, status.Get_count(MPI.BYTE), c0, tracer.clock())
         if status.Get_count(MPI.BYTE) != ex.nbytes:
             raise RuntimeError(f"received {status.Get_count(MPI.BYTE)} bytes from rank "
                                f"{status.Get_source()}, expected {ex.nbytes} for a state "
@@ -156,10 +158,10 @@ def raise_agreed(comm: MPI.Comm, error: str | None, stats: SolverStats | None = 
         tracer = None if stats is None else stats.tracer
         if stats is not None:
             stats.allreduces += 1
-        t0 = time.perf_counter() if tracer is not None else 0.0
+        t0 = tracer.clock() if tracer is not None else 0.0
         gathered = allgather_within(comm, (error, same), f"the check of the {what}")
         if tracer is not None:
-            tracer.collective("agree", t0, time.perf_counter())
+            tracer.collective("agree", t0, tracer.clock())
         errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
         vals = [v for _, v in gathered]
         if any(v != vals[0] for v in vals):

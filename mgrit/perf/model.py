@@ -51,16 +51,35 @@ class StepCost:
 
 @dataclass(frozen=True)
 class CommCost:
-    """One point-to-point message: ``latency + nbytes / bandwidth`` seconds."""
+    """One point-to-point message: ``latency + nbytes / bandwidth`` seconds in flight, plus
+    ``host`` seconds of work on each end (the library's posting, buffers and bookkeeping:
+    the sender pays it before the message leaves, the receiver after it arrived); one small
+    collective (an agreement, a residual norm): ``collective`` seconds per ``ceil(log2 P)``
+    round (default ``None``: ``message(8) + 2 host``). The defaults (``host = 0``) are the raw
+    MPI message of :func:`pingpong`; :func:`mgrit.perf.trace.resnet.library_costs` measures
+    ``host`` and ``collective`` through the solver's own exchange (issue 34: the raw ping-pong
+    priced the solver's messages several times too cheap)."""
     latency: float = 5e-6
     bandwidth: float = 5e9
+    host: float = 0.0
+    collective: float | None = None
 
     def __post_init__(self):
-        if not (0 <= self.latency < math.inf and self.bandwidth > 0):
-            raise ValueError(f"{self!r}: latency must be >= 0 and bandwidth > 0")
+        if not (0 <= self.latency < math.inf and self.bandwidth > 0 and 0 <= self.host < math.inf
+                and (self.collective is None or 0 <= self.collective < math.inf)):
+            raise ValueError(f"{self!r}: latency, host and collective must be finite and >= 0, "
+                             f"bandwidth > 0")
 
     def message(self, nbytes: int) -> float:
+        """Seconds in flight (latency + bytes / bandwidth; ``host`` not included)."""
         return self.latency + nbytes / self.bandwidth
+
+    def reduction(self, P: int) -> float:
+        """Seconds of one small collective over ``P`` ranks (0 for ``P = 1``)."""
+        if P <= 1:
+            return 0.0
+        one = self.message(8) + 2 * self.host if self.collective is None else self.collective
+        return math.ceil(math.log2(P)) * one
 
 
 def _posint(**kw) -> None:
@@ -124,12 +143,14 @@ def pingpong(comm, nbytes: Sequence[int] = (8, 1 << 16), repeats: int = 50,
     return CommCost(max(half[0] - nbytes[0] / bw, 0.0), bw)
 
 
-_COUNTS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages", "allreduces")
+_COUNTS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages",
+           "bytes_sent", "allreduces")
 
 
 class Simulation:
     """Per-rank outcome of :func:`simulate`: lists (one entry per rank) of the counters named as
-    in ``SolverStats`` (:data:`_COUNTS`) and ``time``, each rank's simulated finishing time."""
+    in ``SolverStats`` (:data:`_COUNTS`; ``bytes_sent``: messages times the ``nbytes`` given)
+    and ``time``, each rank's simulated finishing time."""
 
     def __init__(self, P: int):
         for k in _COUNTS:
@@ -153,9 +174,10 @@ class _Replay:
         n = len(self.h[0])
         lc = tuple(level_cost or ())
         self.scale = [float(lc[min(l, len(lc) - 1)]) if lc else 1.0 for l in range(n)]
-        self.betas = [comm_cost.message(int(round(nbytes * c))) for c in self.scale]
-        self.beta = self.betas[0]
-        self.red = comm_cost.message(8) * max(1, math.ceil(math.log2(P))) if P > 1 else 0.0
+        self.nbytes_l = [int(round(nbytes * c)) for c in self.scale]
+        self.betas = [comm_cost.message(b) for b in self.nbytes_l]
+        self.beta, self.nbytes, self.host = self.betas[0], nbytes, comm_cost.host
+        self.red = comm_cost.reduction(P)
         self.s = Simulation(P)
         self.cache = [[None] * len(self.h[0]) for _ in range(P)]
 
@@ -172,7 +194,12 @@ class _Replay:
 
     def send(self, r, l):
         self.s.messages[r] += 1
+        self.s.bytes_sent[r] += self.nbytes_l[l]
+        self.s.time[r] += self.host
         return self.s.time[r] + self.betas[l]
+
+    def receive(self, r, arrive):
+        self.s.time[r] = max(self.s.time[r], arrive) + self.host
 
     def f_relax(self, l):
         arrive = None  # arrival time of the previous rank's message (ranks in chain order)
@@ -194,7 +221,7 @@ class _Replay:
                         out = self.send(r, l)
             if recv:
                 end = min(first_c, hi)
-                self.s.time[r] = max(self.s.time[r], arrive)
+                self.receive(r, arrive)
                 self.single(r, max(end - lo - 1, 0), l)
                 if end == hi and send:
                     self.single(r, 1, l)
@@ -217,7 +244,7 @@ class _Replay:
                 if send:
                     out = self.send(r, l)
             if recv:
-                self.s.time[r] = max(self.s.time[r], arrive)
+                self.receive(r, arrive)
             self.cache[r][l] = mod
             arrive = out
 
@@ -233,7 +260,7 @@ class _Replay:
                 continue
             self.cache[r][l] = None
             if lv.lo > 0:
-                self.s.time[r] = max(self.s.time[r], arrive)
+                self.receive(r, arrive)
             self.single(r, lv.n_local - (0 if lv.next is not None else 1), l)
             arrive = self.send(r, l) if lv.next is not None else None
 

@@ -16,7 +16,9 @@ per training step?" from
    and usually needs fewer cycles, so the probe errs on the safe side.
 3. :mod:`mgrit.perf.strategies`: the predicted step time of every option on every
    ``P_L x P_D`` grid -- serial, data parallelism, GPipe (best ``M``; ``M = 1`` is the blocking
-   chain), MGRIT (best probed configuration), and their hybrids with data parallelism.
+   chain), MGRIT (best probed configuration), and their hybrids with data parallelism; for a
+   dense ResNet also serial and data parallelism on the lean loop (:mod:`mgrit.perf.lean`,
+   ``settings["kernel"] = "lean"``: the strongest serial PyTorch, issue 34).
 
 The answer is the simplest option among those predicted within ``margin`` (default 10%, about
 the model's validated error, ``experiments/results/benchmarks/bench_layerparallel.md`` part d) of the
@@ -29,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -42,7 +44,7 @@ from .strategies import (NetCosts, best_gpipe, data_parallel_step, grids, mgrit_
                          serial_step)
 
 __all__ = ["Network", "MGRITConfig", "Probe", "Option", "Recommendation", "probe",
-           "mgrit_configs", "choose", "simplest", "recommend", "SIMPLICITY"]
+           "mgrit_configs", "choose", "simplest", "recommend", "lean_netcosts", "SIMPLICITY"]
 
 #: kinds from the simplest (fewest workers, least communication, exact) to the most complex
 SIMPLICITY = {"serial": 0, "data parallel": 1, "GPipe": 2, "MGRIT": 3}
@@ -164,12 +166,16 @@ def simplest(options: Sequence[Option], margin: float) -> Option:
 
 
 def choose(costs: NetCosts, batch: int, P: int, comm: CommCost, probes: Sequence[Probe] = (),
-           grad_tol: float = 0.05) -> tuple[list, list]:
+           grad_tol: float = 0.05, lean: NetCosts | None = None) -> tuple[list, list]:
     """Every option on every grid (see module doc) from ``costs`` and measured ``probes``
     (their ``K_f``/``K_b``, where unset and not yet checked (``err`` None), are set here: the
     cheapest pair on the most layer-parallel grid with ``fwd_err[K_f - 1] + bwd_err[K_b - 1]
-    <= grad_tol``; a probe whose checked pairs all failed keeps None: no MGRIT option). Returns
-    ``(options, probes)``; pure: no timing, no solve."""
+    <= grad_tol``; a probe whose checked pairs all failed keeps None: no MGRIT option).
+    ``lean``: the same network's costs with the lean loop's residual layers
+    (:func:`lean_netcosts`); adds the serial and data-parallel options on that kernel
+    (``settings["kernel"] = "lean"``), the strongest serial PyTorch a user can write for a
+    dense ResNet (issue 34, item 6). Returns ``(options, probes)``; pure: no timing, no
+    solve."""
     N = costs.n_layers
     gs = grids(P, N, batch)
     top = max(q for q, _ in gs)  # the most layer-parallel grid sets the iteration counts
@@ -180,9 +186,16 @@ def choose(costs: NetCosts, batch: int, P: int, comm: CommCost, probes: Sequence
                 costs, batch, top, p.config.options(k[0]), p.config.options(k[1]), k[0], k[1],
                 comm, P // top)["train"])
     opts = [Option("serial", 1, 1, serial_step(costs, batch), note="one worker")]
+    if lean is not None:
+        opts.append(Option("serial", 1, 1, serial_step(lean, batch), {"kernel": "lean"},
+                           "one worker, lean loop"))
     for P_L, P_D in gs:
         if P_L == 1 and P_D > 1:
             opts.append(Option("data parallel", 1, P_D, data_parallel_step(costs, batch, P_D, comm)))
+            if lean is not None:
+                opts.append(Option("data parallel", 1, P_D,
+                                   data_parallel_step(lean, batch, P_D, comm), {"kernel": "lean"},
+                                   "lean loop replicas"))
         if P_L > 1:
             t, M = best_gpipe(costs, batch, P_L, comm, P_D)
             opts.append(Option("GPipe", P_L, P_D, t, {"M": M},
@@ -197,7 +210,7 @@ def choose(costs: NetCosts, batch: int, P: int, comm: CommCost, probes: Sequence
     # keep the fastest MGRIT per grid (the table lists one row per kind and grid)
     seen, out = {}, []
     for o in sorted(opts, key=lambda o: o.time):
-        key = (o.kind, o.P_L, o.P_D)
+        key = (o.kind, o.P_L, o.P_D, o.settings.get("kernel"))
         if key not in seen:
             seen[key] = o
             out.append(o)
@@ -208,7 +221,7 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
               costs: NetCosts | None = None, grad_tol: float = 0.05, max_iters: int = 4,
               configs: Sequence[MGRITConfig] | None = None, repeats: int = 3,
               clock: Callable[[], float] = time.perf_counter, max_probes: int = 6,
-              margin: float = 0.10) -> Recommendation:
+              margin: float = 0.10, lean: bool | NetCosts | None = None) -> Recommendation:
     """Recommend how to train ``network`` with batches like ``x`` (the sample batch; its size is
     the global batch) on ``P`` workers.
 
@@ -229,6 +242,12 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
         margin: recommend the simplest option predicted within this fraction of the fastest
             (default 0.10: about the cost model's validated error on this machine; 0: always
             the fastest prediction). See :func:`simplest`.
+        lean: the lean-loop candidates (serial and data parallel on
+            :class:`~mgrit.perf.lean.LeanResNet` kernels): ``None`` (default) calibrates them
+            with the network's costs (not when ``costs`` is given) where every step is a
+            :class:`~mgrit.nn.DenseStep` of one activation (tanh/relu); ``True`` calibrates
+            them also with given ``costs``; ``False`` leaves them out; a :class:`NetCosts`
+            (:func:`lean_netcosts`) uses those costs.
 
     Raises:
         ValueError: ``P < 1``, an empty batch, ``grad_tol <= 0``, ``max_iters < 1``,
@@ -248,8 +267,13 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
         raise ValueError(f"margin={margin!r} is not allowed: use a fraction in [0, 1]")
     b, N = x.shape[0], network.n_layers
     cfgs = list(configs) if configs is not None else mgrit_configs(N)
-    if costs is None:
+    calibrated = costs is None
+    if calibrated:
         costs = calibrate(network, x, target, P, cfgs, repeats, clock)
+    if lean is True or (lean is None and calibrated):
+        lean = lean_netcosts(network, costs, P, x.shape[0], repeats, clock)
+    elif not isinstance(lean, NetCosts):
+        lean = None
     if costs.unreliable:
         warnings.warn("planner: calibration unreliable, predictions may be off: "
                       + "; ".join(costs.unreliable), RuntimeWarning, stacklevel=2)
@@ -264,7 +288,7 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
                        for q, d in layer_grids)
         # cheapest first by the one-cycle prediction (a lower bound of every iteration count)
         bound = {c: fastest(c, 1, 1) for c in cfgs}
-        others = min(o.time for o in choose(costs, b, P, comm, (), grad_tol)[0])
+        others = min(o.time for o in choose(costs, b, P, comm, (), grad_tol, lean)[0])
         best_t = math.inf
         for c in sorted(cfgs, key=bound.get)[:max_probes]:
             if probes and bound[c] >= min(best_t, others):
@@ -280,9 +304,31 @@ def recommend(network: Network, x: torch.Tensor, P: int, target=None, comm: Comm
                     best_t = min(best_t, fastest(c, kf, kb))
                     break
             probes.append(p)
-    options, probes = choose(costs, b, P, comm, probes, grad_tol)
+    options, probes = choose(costs, b, P, comm, probes, grad_tol, lean)
     return Recommendation(simplest(options, margin), options, probes, P, b, grad_tol, costs,
                           comm, margin)
+
+
+def lean_netcosts(network: Network, costs: NetCosts, P: int, batch: int, repeats: int = 3,
+                  clock=time.perf_counter) -> NetCosts | None:
+    """``costs`` with the residual layers' forward, forward + backward and optimizer step of
+    the lean loop (:func:`mgrit.perf.netcal.lean_costs` of the network's own weights, at the
+    batch sizes of ``costs``); head, tail, loss and fixed costs stay the module calibration's.
+    ``None`` when a step is not a :class:`~mgrit.nn.DenseStep` (the lean loop's only kernel)."""
+    from torch import nn
+
+    from ..nn.steps import DenseStep, ResidualStep
+    from .lean import LeanResNet
+    if not all(isinstance(f, DenseStep) for f in network.steps):
+        return None
+    try:
+        lean = LeanResNet.from_sequential(nn.Sequential(*(ResidualStep(f, network.h)
+                                                          for f in network.steps)))
+    except ValueError:  # mixed activations or widths: no lean kernel
+        return None
+    lc = netcal.lean_costs(lean, costs.layer_fb.sizes, repeats, clock)
+    return replace(costs, layer_fwd=lc.layer_fwd, layer_fb=lc.layer_fb, opt_layer=lc.opt_layer,
+                   mgrit=None, unreliable=costs.unreliable + lc.unreliable)
 
 
 def calibrate(network: Network, x: torch.Tensor, target, P: int, configs: Sequence[MGRITConfig],

@@ -16,7 +16,13 @@ from ..grid import Hierarchy, Partition
 from ..options import MGRITOptions
 from .model import CommCost, StepCost, layerwise_time, simulate
 
-__all__ = ["TrainCosts", "training_times", "resnet_times", "n_levels", "one_level_exact"]
+__all__ = ["TrainCosts", "training_times", "resnet_times", "n_levels", "one_level_exact",
+           "OUTSIDE_AGREEMENTS"]
+
+#: Small collectives of a training step outside the MGRIT solves, per direction on more than
+#: one rank (the forward's input check, the backward's bridge check); the count is held
+#: against the real step's (``tests/mpi_cases/core/trace_cases.py``).
+OUTSIDE_AGREEMENTS = 1
 
 
 @dataclass(frozen=True)
@@ -87,22 +93,23 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
                  grad: bool = True, level_cost=None) -> tuple[float, float]:
     """Critical-path seconds ``(forward, backward)`` of the layer-parallel ResNet in one training
     step (optimizer excluded). MGRIT: the replay of ``K_f`` forward / ``K_b`` adjoint cycles
-    plus the per-layer snapshot / gradient sweep and bridge, the solver's fixed costs and the
-    backward's agreement. Both solves one level: the exact path is a pipelined chain of
-    autograd layers, ``N pipe + (P - 1) beta`` per direction plus its fixed costs and one
-    agreement each (the forward's input check, the backward's). ``grad=False``: an evaluation
-    forward (``torch.no_grad``; backward 0): the replay, the solver's fixed cost and the
-    ``*_eval`` residual terms. ``level_cost``: spatial coarsening, each level's step cost
-    relative to a fine step (:func:`mgrit.perf.model.spatial_level_cost`; default time-only).
-    ValueError: ``costs`` not :class:`TrainCosts`, ``fwd``/``bwd`` not MGRITOptions,
-    ``N < P``."""
+    plus the per-layer snapshot / gradient sweep and bridge, the solver's fixed costs and one
+    agreement outside the solves in each of forward (the network's input check) and backward
+    (the bridge's; both counted on the real step at P = 2, issue 34). Both solves one level:
+    the exact path is a pipelined chain of autograd layers, ``N pipe + (P - 1) beta`` per
+    direction plus its fixed costs and one agreement each (the forward's input check, the
+    backward's). ``grad=False``: an evaluation forward (``torch.no_grad``; backward 0): the
+    replay, the solver's fixed cost and the ``*_eval`` residual terms. ValueError: ``costs``
+    not :class:`TrainCosts`, ``fwd``/``bwd`` not MGRITOptions, ``N < P``. ``level_cost``:
+    spatial coarsening, each level's step cost relative to a fine step
+    (:func:`mgrit.perf.model.spatial_level_cost`; default time-only)."""
     if not isinstance(costs, TrainCosts):
         raise ValueError(f"costs must be TrainCosts, got {type(costs).__name__}")
     for name, o in (("fwd", fwd), ("bwd", bwd)):
         if not isinstance(o, MGRITOptions):
             raise ValueError(f"{name} must be MGRITOptions, got {type(o).__name__}")
     beta, nl = comm.message(costs.nbytes), math.ceil(N / P)
-    agree = comm.message(64) * math.ceil(math.log2(P)) if P > 1 else 0.0  # one small agreement
+    agree = OUTSIDE_AGREEMENTS * comm.reduction(P)
     if one_level_exact(N, P, fwd, bwd):
         return (layerwise_time(N, P, costs.pipe_fwd, beta) + costs.pipe_fwd_fixed + agree,
                 layerwise_time(N, P, costs.pipe_bwd, beta) + costs.pipe_bwd_fixed + agree)
@@ -112,7 +119,7 @@ def resnet_times(N: int, P: int, costs: TrainCosts, fwd: MGRITOptions, bwd: MGRI
         return max(f + nl * costs.path_eval + costs.solve_fixed + costs.fixed_eval, 0.0), 0.0
     b = simulate(N, P, bwd, K_b, None, costs.adj, comm, costs.nbytes,
                  level_cost=level_cost).critical_path
-    f += nl * (costs.refresh + costs.path_fwd) + costs.solve_fixed + costs.fixed_fwd
+    f += nl * (costs.refresh + costs.path_fwd) + costs.solve_fixed + costs.fixed_fwd + agree
     b += nl * (costs.pgrad_item + costs.path_bwd) + costs.solve_fixed + costs.fixed_bwd + agree
     return max(f, 0.0), max(b, 0.0)
 

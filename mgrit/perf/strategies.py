@@ -203,10 +203,8 @@ def mgrit_step(c: NetCosts, b: int, P_L: int, fwd: MGRITOptions, bwd: MGRITOptio
     tc = replace(tc, nbytes=shard * c.state_bytes)
     n_loc = _shard(c.n_layers, P_L)
     f, bk = resnet_times(c.n_layers, P_L, tc, fwd, bwd, K_f, K_b, comm, level_cost=level_cost)
-    # one more small agreement per step: the network's input check (the backward's is in bk)
-    agree = comm.message(64) * max(1, math.ceil(math.log2(P_L))) if P_L > 1 else 0.0
     f += c.head_fwd(shard) + c.tail_fwd(shard)
-    bk += agree + (c.head_fb(shard) - c.head_fwd(shard)) + (c.tail_fb(shard) - c.tail_fwd(shard))
+    bk += (c.head_fb(shard) - c.head_fwd(shard)) + (c.tail_fb(shard) - c.tail_fwd(shard))
     train = (f + bk + c.step_fixed + n_loc * tc.per_layer + c.opt_other
              + allreduce_time(n_loc * c.layer_bytes + c.other_bytes, P_D, comm))
     return {"forward": f, "backward": bk, "train": train}

@@ -63,6 +63,38 @@ def test_option_keys_and_mgrit_settings():
     assert pu.option_key(Option("data parallel", 1, 2, 0.1)) == "data parallel"
 
 
+def test_lean_step_matches_the_autograd_serial_step():
+    """The planner's lean options (issue 34 item 6) as measured: three momentum-SGD steps of
+    the lean step (residual layers on the lean loop, head / tail in autograd) leave the same
+    weights as three of the autograd ``nn.Sequential`` step (float32 round-off)."""
+    from mpi4py import MPI
+    from mgrit.models import build_model
+    s = dict(layers=6, width=8, batch=16)
+    x, y = plan.batch(16)
+    serial = build_model("resnet", plan.config(6, 8, 16), (784,), 10)
+    opt = torch.optim.SGD(serial.parameters(), 0.01, momentum=0.9)
+    step = plan.lean_step_fn(MPI.COMM_SELF, 0, s, x, y, False)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(serial(x), y).backward()
+        opt.step()
+        step()
+    cells = {type(c.cell_contents).__name__: c.cell_contents for c in step.__closure__}
+    lean, head, tail = cells["LeanResNet"], *(c.cell_contents for c in step.__closure__
+                                              if isinstance(c.cell_contents, torch.nn.Module))
+    mods = list(serial)
+    W = torch.stack([m.F.linear.weight for m in mods[1:-1]]).detach()
+    b = torch.stack([m.F.linear.bias for m in mods[1:-1]]).detach()
+    torch.testing.assert_close(lean.WT.transpose(1, 2), W, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lean.b, b, rtol=0, atol=1e-6)
+    moved = (W - torch.stack([m.F.linear.weight for m in list(build_model(
+        "resnet", plan.config(6, 8, 16), (784,), 10))[1:-1]]).detach()).abs().max()
+    assert moved > 1e-4  # the steps changed the weights: the comparison is not vacuous
+    for a, r in ((head, mods[0]), (tail, mods[-1])):
+        for p, q in zip(a.parameters(), r.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def test_compiled_resnet_matches_sequential_autograd():
     torch.manual_seed(0)
     seq = plan.build_model("resnet", plan.config(7, 5, 6), (784,), 10).double()

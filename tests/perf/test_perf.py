@@ -26,7 +26,8 @@ CASES = [  # (N, levels, cfactor, relax, cycle, iterations, batched, nested, ski
     (37, 4, 2, "FCFCF", "V", 1, True, True, False),
     (50, 1, 2, "F", "V", 1, True, False, False),
 ]
-KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages", "allreduces")
+KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages", "bytes_sent",
+        "allreduces")
 
 
 def _opts(levels, cfactor, relax, cycle, iters, batched, nested, skip):
@@ -44,7 +45,7 @@ def check_counts(cases=None):
         prop = BatchedTanhChain(N, width=3)
         u0 = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         res = MGRIT(prop, N, (2, 3), options=opts, comm=comm).solve(u0)
-        sim = perf.simulate(N, comm.Get_size(), opts)
+        sim = perf.simulate(N, comm.Get_size(), opts, nbytes=2 * 3 * 8)  # a (2, 3) float64 state
         got = {k: getattr(res.stats, k) for k in KEYS}
         want = sim.rank(comm.Get_rank())
         assert got == want, f"rank {comm.Get_rank()} case {case}: solver {got} != model {want}"

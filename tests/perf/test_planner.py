@@ -5,6 +5,7 @@ schedule; the planner picks what the synthetic costs make fastest; the convergen
 exact where FCF theory says so. Nothing here measures time."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def test_replay_counts_of_tolerance_and_warm_solves(case, tol, rtol, warm):
         u0, initial_guess=guess)
     assert res.iterations >= 1
     sim = perf.simulate(N, 1, o, res.iterations, initial_guess=warm)
-    assert {k: getattr(res.stats, k) for k in KEYS} == sim.rank(0)
+    assert {k: getattr(res.stats, k) for k in KEYS} == {k: sim.rank(0)[k] for k in KEYS}
 
 
 def test_curve():
@@ -137,6 +138,39 @@ def test_choose_picks_the_fastest_kind():
     p = _probe(cfg, [0.5, 0.01, 0.001], [0.5, 0.02, 0.001])
     planner.choose(c, 64, 8, FREE, [p], grad_tol=0.005)
     assert (p.K_f, p.K_b) == (3, 3)
+
+
+def test_choose_offers_the_lean_loop():
+    """Issue 34 item 6: with lean costs the options hold serial and data parallelism on the
+    lean kernel beside the autograd ones (one row each); a lean loop cheaper per layer than
+    autograd is the fastest serial option and wins where serial wins."""
+    c = _costs(lambda b: 1e-5, N=64)
+    lean = replace(c, layer_fwd=st.Curve((1, 64), (1e-6, 1e-6)),
+                   layer_fb=st.Curve((1, 64), (3e-6, 3e-6)))
+    opts, _ = planner.choose(c, 64, 2, FREE, (), lean=lean)
+    rows = {(o.kind, o.P_L, o.P_D, o.settings.get("kernel")) for o in opts}
+    assert {("serial", 1, 1, None), ("serial", 1, 1, "lean"), ("data parallel", 1, 2, None),
+            ("data parallel", 1, 2, "lean")} <= rows and len(rows) == len(opts)
+    lean_serial = next(o for o in opts if o.kind == "serial" and o.settings)
+    assert lean_serial.time == pytest.approx(64 * 3e-6)
+    best = planner.simplest(opts, 0.10)  # call-bound layers: DP gains nothing, serial lean wins
+    assert best.kind == "serial" and best.settings == {"kernel": "lean"}
+    assert "kernel lean" in best.label
+    # without lean costs: no lean row
+    assert all(not o.settings.get("kernel") for o in planner.choose(c, 64, 2, FREE)[0])
+
+
+def test_lean_netcosts_only_for_dense_steps():
+    """lean_netcosts keeps head / tail / fixed costs and swaps in the lean loop's per-layer
+    costs (> 0, at the same batch sizes); a network with another step kind has none."""
+    net = _tiny_network(N=8)
+    c = _costs(lambda b: 1e-5, N=8, opt_other=1e-4)
+    lc = planner.lean_netcosts(net, c, 2, 64, repeats=1)
+    assert lc.n_layers == 8 and lc.opt_other == 1e-4 and lc.mgrit is None
+    assert lc.layer_fb.sizes == c.layer_fb.sizes and all(t > 0 for t in lc.layer_fb.times)
+    other = planner.Network.from_factory(
+        lambda k: nn.Sequential(nn.Linear(3, 3), nn.Tanh()).double(), 8, (3,))
+    assert planner.lean_netcosts(other, c, 2, 64, repeats=1) is None
 
 
 def _tiny_network(N=8, w=3, act="tanh"):

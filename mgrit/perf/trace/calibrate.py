@@ -44,7 +44,8 @@ from .. import strategies as st
 from ..model import CommCost
 from ..strategies import NetCosts, netcosts_from_json, netcosts_to_json
 from .costs import step_costs
-from .resnet import trace_resnet
+from .resnet import CLOCKS, trace_resnet
+from .trace import Trace
 
 __all__ = ["calibrate", "train_costs", "net_costs", "add_costs", "as_stepcost",
            "gradient_error", "strategy_times", "STRATEGIES"]
@@ -69,10 +70,18 @@ def _js(c: StepCost) -> dict:
     return {k: getattr(c, k) for k in _SC}
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def _timer(clock):
+    def timed(fn) -> float:
+        t0 = clock()
+        fn()
+        return clock() - t0
+    return timed
+
+
+def _both(a: Trace, b: Trace) -> Trace:
+    """One one-rank trace holding the solves of ``a`` and then those of ``b``."""
+    return Trace([{"rank": 0, "size": 1,
+                   "solves": a.ranks[0]["solves"] + b.ranks[0]["solves"]}], a.meta)
 
 
 def _untraced(trace) -> list:
@@ -83,7 +92,8 @@ def _untraced(trace) -> list:
 
 def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITOptions,
               backward: MGRITOptions, steps: int = 4, repeats: int = 3, act: str = "tanh",
-              dtype: torch.dtype = torch.float64, traces: dict | None = None) -> dict:
+              dtype: torch.dtype = torch.float64, traces: dict | None = None,
+              clock=time.perf_counter) -> dict:
     """One calibration (module docstring) on this process's core, as JSON-able numbers.
 
     Args:
@@ -94,6 +104,15 @@ def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITO
         repeats: timings per point of the overhead fit and the lean loop.
         traces: when given, filled with ``{batch: Trace}`` of the one-rank runs at ``N``
             (a P = 1 run of the real code, e.g. to validate another calibration against).
+        clock: of every timing (default ``time.perf_counter``; ``time.process_time``: CPU
+            time of this one-thread process, less perturbed by a loaded machine).
+
+    The step costs are fitted to the recorded steps of both runs (``N`` and ``N // 2``
+    layers): their batched calls span two interval counts (``N / m`` and ``N / (2 m)`` at
+    level 0), so the fit separates the cost per call from the cost per interval. From one
+    count alone the whole call was priced per interval, and a run on more ranks (fewer
+    intervals per call, as many calls) was predicted too cheap (issue 34, item 5: the
+    systematic miss at P = 2 of narrow, call-bound layers).
 
     Returns:
         ``{"batches": {str(b): entry}, "lean": NetCosts JSON}``; entry: ``tau_f``, ``tau_a``,
@@ -110,14 +129,15 @@ def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITO
     out = {}
     for b in batches:
         tr = trace_resnet(MPI.COMM_SELF, n_layers, width, b, forward, backward, steps,
-                          dtype=dtype, act=act)[0]
+                          dtype=dtype, act=act, clock=clock)[0]
         half = trace_resnet(MPI.COMM_SELF, n_layers // 2, width, b, forward, backward, steps,
-                            dtype=dtype, act=act)[0]
-        warm = tr.subset(2)
+                            dtype=dtype, act=act, clock=clock)[0]
+        warm = _both(tr.subset(2), half.subset(2))
         if traces is not None:
             traces[b] = tr
-        hf, ff = solver_overhead_fit(n_layers, (b, width), forward, _timed, repeats, dtype)
-        ha, fa = solver_overhead_fit(n_layers, (b, width), backward, _timed, repeats, dtype)
+        timed = _timer(clock)
+        hf, ff = solver_overhead_fit(n_layers, (b, width), forward, timed, repeats, dtype)
+        ha, fa = solver_overhead_fit(n_layers, (b, width), backward, timed, repeats, dtype)
         u_n, u_h = statistics.median(_untraced(tr)), statistics.median(_untraced(half))
         slope = max((u_n - u_h) / (n_layers - n_layers // 2), 0.0)
         step = statistics.median(tr.meta["step_walls"][1:])
@@ -128,7 +148,8 @@ def calibrate(n_layers: int, width: int, batches: Sequence[int], forward: MGRITO
                        "untraced_share": u_n / step}
     W = torch.randn(n_layers, width, width, dtype=dtype) / width ** 0.5
     lean = LeanResNet(W, torch.zeros(n_layers, width, dtype=dtype), 1.0 / n_layers, act)
-    return {"batches": out, "lean": netcosts_to_json(lean_costs(lean, sorted(batches), repeats))}
+    return {"batches": out,
+            "lean": netcosts_to_json(lean_costs(lean, sorted(batches), repeats, clock))}
 
 
 def train_costs(entry: dict, host: bool = True) -> TrainCosts:
@@ -243,11 +264,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON file")
     ap.add_argument("--trace-out", default=None,
                     help="also write the one-rank trace at N and the largest batch (JSON)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall (time.perf_counter) or cpu (time.process_time); default wall")
     a = ap.parse_args(argv)
     fwd = MGRITOptions(max_levels=2, cfactor=a.cfactor, max_iter=a.iters, tol=0.0)
     bwd = MGRITOptions(max_levels=2, cfactor=a.cfactor, max_iter=1, tol=0.0)
     traces = {}
-    cal = calibrate(a.layers, a.width, a.batches, fwd, bwd, a.steps, a.repeats, traces=traces)
+    cal = calibrate(a.layers, a.width, a.batches, fwd, bwd, a.steps, a.repeats, traces=traces,
+                    clock=CLOCKS[a.clock])
     if a.trace_out:
         traces[max(a.batches)].to_json(a.trace_out)
     cal["grad_error"] = {str(n): gradient_error(n, a.width, max(a.batches), fwd, bwd)

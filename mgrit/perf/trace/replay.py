@@ -8,12 +8,12 @@ Every rank walks its recorded events in order on its own clock (starting at 0):
   (:class:`~mgrit.perf.model.StepCost`, one step for the whole batch, seconds; calibrated by
   :func:`~mgrit.perf.model.calibrate_step` on a dedicated core), or ``tau="recorded"``: the
   step's own recorded duration;
-* a send costs the sender nothing (non-blocking) and arrives at ``t_send +
-  comm.message(nbytes)`` (:class:`~mgrit.perf.model.CommCost`: ``latency + nbytes /
+* a send costs the sender ``comm.host`` (non-blocking: posting only) and arrives
+  ``comm.message(nbytes)`` later (:class:`~mgrit.perf.model.CommCost`: ``latency + nbytes /
   bandwidth``, from :func:`~mgrit.perf.model.pingpong`);
-* a receive completes at ``max(t_own, arrival of its matching send)``;
-* the ``k``-th collective of every rank ends on all ranks at ``max_r t_r + ceil(log2 P) *
-  comm.message(8)`` (the reduction of a few numbers, as :func:`mgrit.perf.model.simulate`).
+* a receive completes at ``max(t_own, arrival of its matching send) + comm.host``;
+* the ``k``-th collective of every rank ends on all ranks at ``max_r t_r +
+  comm.reduction(P)`` (the reduction of a few numbers, as :func:`mgrit.perf.model.simulate`).
 
 ``overhead=True`` also charges, before each event, the recorded host time between it and the
 rank's previous event of the same solve (the solver's bookkeeping that the trace does not
@@ -131,7 +131,7 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
     if overhead and (host is not None or per_solve):
         raise ValueError("overhead=True charges the recorded host time; host/per_solve charge a "
                          "calibrated one: use one of the two")
-    red = math.ceil(math.log2(P)) * comm.message(8) if P > 1 else 0.0
+    red, host_msg = comm.reduction(P), comm.host
     # (kind, event, host time before it) per rank; the solve's tail as a pseudo-event
     work = []
     for r in range(P):
@@ -165,7 +165,7 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
                     key = (e[3], r, e[4], e[6])
                     if key not in arrivals:
                         break  # its send has not been replayed yet
-                    t[r] = max(t[r] + gap, arrivals.pop(key))
+                    t[r] = max(t[r] + gap, arrivals.pop(key)) + host_msg
                 elif e[0] == "coll":
                     k = ncoll[r]
                     if k == len(colls):
@@ -181,7 +181,7 @@ def replay(trace: Trace, tau: StepCost | Mapping[int, StepCost] | str = UNIT,
                     ncoll[r] += 1
                     c["allreduces"] += 1
                 elif e[0] == "send":
-                    t[r] += gap
+                    t[r] += gap + host_msg
                     arrivals[(r, e[3], e[4], e[6])] = t[r] + comm.message(e[5])
                     c["messages"] += 1
                     c["bytes_sent"] += e[5]

@@ -20,9 +20,10 @@ from tests.chains import BatchedTanhChain
 
 COMM = MPI.COMM_WORLD
 FREE = CommCost(0.0, math.inf)
-COSTS = [(UNIT, FREE), (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3))]
+COSTS = [(UNIT, FREE), (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3)),
+         (StepCost(1.0, 0.3, 0.7), CommCost(0.5, 1e3, host=0.25, collective=2.0))]
 SIM_KEYS = ("steps_single", "steps_batched_calls", "steps_batched_items", "messages",
-            "allreduces")
+            "bytes_sent", "allreduces")
 #: (N, levels, cfactor, relax, cycle, iterations, batched, nested, skip) -- N >= 8 ranks
 CASES = [
     (32, 2, 4, "F", "V", 2, True, False, False),
@@ -119,12 +120,13 @@ def check_solver_traces():
     return {"messages": msgs, "unit_critical_paths": paths}
 
 
-def check_resnet_trace(n_layers=32, width=4, batch=4):
+def check_resnet_trace(n_layers=None, width=4, batch=4):
     """A layer-parallel ResNet's forward + backward (MGRIT forward, adjoint MGRIT): tallies
     per rank and solve == the forward and adjoint solvers' own counters; replay == simulate
     (the adjoint runs on the reversed partition: rank r is simulate's chain position of its
     block; ``n_layers`` divisible by P keeps the blocks even, as simulate assumes)."""
     P = COMM.Get_size()
+    n_layers = n_layers or 12 * P  # even blocks of 12 = 3 coarse intervals of m = 4 per rank
     trace, model, _ = trace_resnet(COMM, n_layers, width, batch)
     mine = {"forward": _stats(model.forward_solver.stats),
             "adjoint": _stats(model.backward_solver.stats)}
@@ -145,4 +147,58 @@ def check_resnet_trace(n_layers=32, width=4, batch=4):
         out[label] = _against_simulate(trace, label, n_layers, opts, batched, nbytes, position)
     res = replay(trace, "recorded", FREE, overhead=True)
     out["wall"] = res.recorded
+    return out
+
+
+class _Counting(MPI.Intracomm):
+    """COMM_WORLD with its small collectives counted: ``allgather_within`` (one pickled
+    ``isend`` to each other rank) and the residual's object ``allreduce``."""
+    counts = {"isend": 0, "allreduce": 0, "Allreduce": 0}
+
+    def isend(self, *a, **k):
+        self.counts["isend"] += 1
+        return super().isend(*a, **k)
+
+    def allreduce(self, *a, **k):
+        self.counts["allreduce"] += 1
+        return super().allreduce(*a, **k)
+
+    def Allreduce(self, *a, **k):
+        self.counts["Allreduce"] += 1
+        return super().Allreduce(*a, **k)
+
+
+def check_step_collectives(width=4, batch=4):
+    """Issue 34 item 5: the small collectives of a real training step (forward, then
+    backward), counted on the communicator, equal the cost model's count per direction: the
+    solver's (simulate's ``allreduces``: its validation and residuals) plus
+    :data:`mgrit.perf.steptime.OUTSIDE_AGREEMENTS` outside the solves."""
+    from mgrit.nn import DenseStep, LayerParallelResNet
+    from mgrit.perf.steptime import OUTSIDE_AGREEMENTS
+    P = COMM.Get_size()
+    N = 12 * P
+    comm = _Counting(COMM)
+    fwd = MGRITOptions(max_levels=2, cfactor=4, max_iter=2, tol=0.0)
+    bwd = MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0)
+    model = LayerParallelResNet.build(lambda k: DenseStep(width, "tanh").double(), N, (width,),
+                                      comm=comm, seed=0, forward=fwd, backward=bwd)
+    x = torch.randn(batch, width, dtype=torch.float64)
+    got = []
+    for _ in range(2):  # the second step: nothing of the first-call set-up
+        for k in _Counting.counts:
+            _Counting.counts[k] = 0
+        y = model(x if model.is_first else None, batch_size=batch)
+        f = dict(_Counting.counts)
+        for k in _Counting.counts:
+            _Counting.counts[k] = 0
+        (y.square().sum() / batch if model.is_last else y.sum()).backward()
+        got = [f, dict(_Counting.counts)]
+    out = []
+    for (d, opts, K), c in zip((("forward", fwd, 2), ("adjoint", bwd, 1)), got):
+        real = c["isend"] // (P - 1) + c["allreduce"] + c["Allreduce"]
+        model_count = simulate(N, P, opts, K).allreduces[0] + OUTSIDE_AGREEMENTS
+        assert c["isend"] % (P - 1) == 0, (d, c)
+        assert real == model_count, f"{d}: the real step ran {real} collectives {c}, the " \
+                                    f"model counts {model_count}"
+        out.append(real)
     return out
