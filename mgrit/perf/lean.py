@@ -234,12 +234,15 @@ def compiled_forward(net: LeanResNet, block: int = 16, backend: str = "inductor"
 
 
 def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "inductor",
-                        grad_hook=None):
+                        grad_hook=None, update=None):
     """``fn(x, lr)``: compiled forward (storing) + compiled closed-form backward + SGD on
     ``net``'s tensors, loss ``mean(out^2)`` over ``x``'s rows; as :func:`compiled_forward`.
     ``grad_hook(net)``, when given, runs after the gradients are in ``net.grad_flat`` and
     before SGD (eager, not compiled): e.g. data parallelism's Allreduce of ``grad_flat`` and
-    its scaling from the shard's mean to the global batch's (default None: nothing)."""
+    its scaling from the shard's mean to the global batch's (default None: nothing).
+    ``update(net, lr)``, when given, replaces the SGD update (e.g. a ``torch.optim`` optimizer
+    over ``net.WT``/``net.b`` with ``.grad`` set to ``net.gWT``/``net.gb``; default None:
+    :meth:`LeanResNet.sgd_step`)."""
     if block < 1 or net.n_layers % block:
         raise ValueError(f"block={block} must divide N={net.n_layers}")
     fs = torch.compile(_block_forward_store, dynamic=False, backend=backend)
@@ -258,6 +261,9 @@ def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "induct
             net.gb[lo:lo + block].copy_(gb)
         if grad_hook is not None:
             grad_hook(net)
-        net.sgd_step(lr)
+        if update is None:
+            net.sgd_step(lr)
+        else:
+            update(net, lr)
         return u
     return run
