@@ -108,3 +108,56 @@ def test_declared_verdicts():
 @pytest.mark.parametrize("k,name", BATCH.ids())
 def test_ranks(k, name):
     BATCH.run(k, name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lean_job_equals_autograd(compiled):
+    """The job's network (opening, 8 residual steps, classifier) trained 3 steps by LeanJob
+    (lean body, momentum SGD on stacked tensors; compiled: torch.compile's eager backend)
+    equals autograd + torch.optim.SGD on the nn.Sequential (float64)."""
+    from layerpar.jobconfig import JobConfig
+    from mgrit.models import build_model
+    from experiments.benchmarks.job_baselines import LeanJob
+    c = JobConfig(layers=8, width=4, batch_size=6, seed=0)
+    ref = build_model("resnet", c, (784,), 10).double()
+    net = build_model("resnet", c, (784,), 10).double()
+    job = LeanJob(net, lr=0.1, momentum=0.9, compiled=compiled, block=4, backend="eager")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(6, 784, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (6,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+        job.step(x, y)
+    for (k, a), b in zip(ref.named_parameters(), job.model().parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), k
+
+
+def test_regime_map_report_from_recorded_numbers(tmp_path):
+    """The regime map's tables, verdicts and plot from synthetic recorded repeats: the
+    strongest baseline is the lowest median wall; an unreliable cell gets no verdict."""
+    from experiments.reports import regime_map_report as rep
+    from experiments.studies.regime_map import DECLARED
+    DECLARED.freeze()
+
+    def cell(N, mg, reliable):
+        raw = {"lean": [(1.0, 1.0)] * 3, "lean DP": [(0.8, 0.9), (0.82, 0.9), (0.81, 0.9)],
+               "pipeline": [(2.0, 1.0)] * 3, "MGRIT": [(mg, mg), (mg * 1.01, mg), (mg * 0.99, mg)]}
+        return {"N": N, "width": 4, "raw": raw, "notes": {}, "mgrit_m": 16,
+                "mgrit_m_pilot": {16: 0.1}, "pipeline": "GPipe M=2",
+                "pipeline_pilot": {"GPipe M=2": 0.1, "ZBV M=2": "ValueError: x"},
+                "gate": measure.load_gate([1.0 if reliable else 9.0], 2)}
+    cells = [cell(64, 0.4, True), cell(256, 1.6, True), cell(1024, 0.4, False)]
+    s = rep.summarize(cells[0])
+    assert s["best"] == "lean DP"  # paired per repeat: median of 0.8/0.4, 0.82/0.404, 0.81/0.396
+    assert s["wall"]["median"] == pytest.approx(0.82 / 0.404)
+    res = {"cells": cells, "batch": 64, "lr": 1e-3, "momentum": 0.9,
+           "settings": {"reps": 3}, "seconds": 1.0}
+    rep.write(res, {"commit": "x", "loadavg": "0.5 0.5 0.5", "loadavg_after": "0.5 0.5 0.5",
+                    "cores": 2}, tmp_path, DECLARED)
+    table = (tmp_path / "table.md").read_text()
+    assert "MGRIT faster (declared test) at: N=64 w=4;" in table
+    assert "unreliable cells (load gate): 1 of 3" in table
+    assert (tmp_path / "regime_map.png").stat().st_size > 0
