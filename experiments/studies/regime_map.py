@@ -88,10 +88,15 @@ def parse(argv=None):
     p.add_argument("--schedules", nargs="+", choices=tuple(tp.SCHEDULES), default=None,
                    help="pipelining schedules tried (full: all four; smoke: GPipe, ZBV)")
     p.add_argument("--no-compile", action="store_true", help="leave out compiled lean")
+    p.add_argument("--Ns", type=int, nargs="+", default=None, help="depths (override)")
+    p.add_argument("--widths", type=int, nargs="+", default=None, help="widths (override)")
     a = p.parse_args(argv)
     s = dict(SMOKE if a.smoke else FULL)
     if a.reps is not None:
         s["reps"] = a.reps
+    for k in ("Ns", "widths"):
+        if getattr(a, k) is not None:
+            s[k] = tuple(getattr(a, k))
     if a.schedules is not None:
         s["schedules"] = tuple(a.schedules)
     a.settings = s
