@@ -192,9 +192,12 @@ def _times(rows: list, method_prefix: str) -> dict:
 
 def _reliable(rows: list) -> bool:
     """The load gate (:func:`experiments.measure.load_gate`) over every run: its 1-minute load
-    before and after at most its own ranks + 0.5 (a run without a load record: unreliable)."""
+    before and after at most the record's own processes (the most ranks of its jobs, which run
+    one after another: the 1-minute average lags a 2-rank job into the next) + 0.5; a run
+    without a load record is unreliable."""
+    own = max(int(r["ranks"]) for r in rows)
     return all(r["load"] and load_gate([r["load"]["before"][0], r["load"]["after"][0]],
-                                       int(r["ranks"]))["reliable"] for r in rows)
+                                       own)["reliable"] for r in rows)
 
 
 def headline(a: dict, rows: list, verdict: str) -> dict:
