@@ -76,7 +76,7 @@ def write(res: dict, meta: dict, out_dir: Path, declared) -> None:
         row = [f"{s['median'][k][0] * 1e3:.3g} / {s['median'][k][1] * 1e3:.3g}"
                if k in s["median"] else "not run" for k in (*BASELINES, "MGRIT")]
         opts.append(f"| {c['N']} | {c['width']} | " + " | ".join(row) + " |")
-    pil = ["| N | width | pipeline candidates (median of 2 pilot steps, ms) | MGRIT m candidates "
+    pil = ["| N | width | pipeline candidates (pilot step after a warm-up, ms) | MGRIT m candidates "
            "(ms) |", "|---|---|---|---|"]
     f = lambda d: ", ".join(f"{k}: {v * 1e3:.3g}" if not isinstance(v, str) else f"{k}: {v}"  # noqa: E731
                             for k, v in d.items())

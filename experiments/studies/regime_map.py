@@ -14,7 +14,8 @@ Cells: dense tanh ResNets (``T = 1``, float32, batch 64, loss ``mean(out^2)``, m
   LeanOptim`) and ``compiled lean`` (blocks of 16 layers);
 * data parallel on lean replicas (one ``Allreduce`` of the stacked gradient): ``lean DP``;
 * ``pipeline``: ``torch.distributed.pipelining`` over gloo (GPipe, 1F1B, interleaved zero
-  bubble, ZBV) with M in {2, 4, 8}: the schedule and M with the lowest median of 2 pilot steps
+  bubble, ZBV) with M in {2, 4, 8}: the schedule and M with the lowest pilot step (one timed
+  step after one warm-up step each)
   (every candidate's time reported);
 * ``MGRIT``: :class:`mgrit.nn.LayerParallelResNet`, 2 levels, F-relaxation, 2 forward / 1
   adjoint cycles (inexact), warm start; coarsening factor m in {16, 64} (those dividing N with
@@ -34,8 +35,11 @@ baseline when the speed-up interval's lower end is above 1 (wall; CPU reported b
 Output (``experiments/results/studies/regime_map/``): ``table.md``, ``results.json``,
 ``regime_map.png``, ``declared.json``, ``headline.json``.
 
-Cost: ``--smoke`` about 1-2 min at load 15-20 on 2 shared cores; ``--full`` with 5 repeats: see the
-issue-34 report (estimated 8-10 min on 2 quiet cores, dominated by N = 4096, width 128).
+Cost (measured at load 6-27 on 2 shared cores; CPU time per rank is the quiet estimate):
+``--smoke`` 442 s wall, about 1 min CPU per rank; the cell N = 4096, width 128 alone with 1
+repeat 748 s wall, 2.6 min CPU per rank (steps: lean 0.8 s, MGRIT 1.6 s CPU). ``--full`` with 5
+repeats: estimated 9-12 min on 2 quiet cores, a third of it that cell; ``--reps 3`` or
+``--schedules GPipe 1F1B ZBV`` to shorten.
 """
 from __future__ import annotations
 
@@ -123,9 +127,9 @@ class MGRITStep:
         self.opt.step()
 
 
-def pilot(make, candidates, comm, steps=2):
-    """``(best, {candidate: median wall s or error})``: one untimed and ``steps`` timed steps of
-    each candidate (max over the ranks), the fastest median wins."""
+def pilot(make, candidates, comm, steps=1):
+    """``(best, fn, {candidate: median wall s or error})``: one untimed and ``steps`` timed
+    steps of each candidate (max over the ranks), the fastest median wins."""
     times, built = {}, {}
     for c in candidates:
         try:
