@@ -59,11 +59,12 @@ class LeanOptim:
         grad_hook: ``hook(net)`` after the gradients are in ``net.grad_flat`` and before the
             update (data parallelism's Allreduce); default None.
         global_numel: the element count of the loss's mean (default: the batch's own).
+        backend: torch.compile's backend when ``compiled`` (default inductor).
     """
 
     def __init__(self, net: LeanResNet, kind: str = "sgd", lr: float = 1e-3,
                  momentum: float = 0.9, compiled: bool = False, block: int = 16,
-                 grad_hook=None, global_numel: int | None = None):
+                 grad_hook=None, global_numel: int | None = None, backend: str = "inductor"):
         self.net, self.hook, self.numel = net, grad_hook, global_numel
         net.WT.grad, net.b.grad = net.gWT, net.gb  # views of grad_flat: no copy
         self.opt = optimizer([net.WT, net.b], kind, lr, momentum)
@@ -73,7 +74,7 @@ class LeanOptim:
                 raise ValueError("compiled=True takes the loss's mean over the batch it is "
                                  "given: pass global_numel=None (data parallelism scales in "
                                  "grad_hook)")
-            self.compiled = compiled_train_step(net, block, grad_hook=grad_hook,
+            self.compiled = compiled_train_step(net, block, backend, grad_hook=grad_hook,
                                                 update=lambda n, lr_: self.opt.step())
 
     def _loss_grad(self, out):

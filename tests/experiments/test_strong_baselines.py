@@ -20,13 +20,15 @@ BATCH.add(2, "pipeline", f"{T}:check_pipeline_gradients")
 BATCH.add(2, "dp", f"{T}:check_lean_data_parallel")
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_lean_optim_equals_autograd(kind):
-    """Three steps of the lean loop with momentum SGD / Adam on its stacked tensors give the
-    weights of autograd + the same torch.optim optimizer on the nn.Sequential (float64)."""
+@pytest.mark.parametrize("kind,compiled", [("sgd", False), ("adam", False), ("sgd", True)])
+def test_lean_optim_equals_autograd(kind, compiled):
+    """Three steps of the lean loop with momentum SGD / Adam on its stacked tensors (compiled:
+    torch.compile's eager backend, blocks of 3) give the weights of autograd + the same
+    torch.optim optimizer on the nn.Sequential (float64)."""
     torch.manual_seed(0)
     seq = serial_resnet(lambda k: DenseStep(3, "tanh"), 6, seed=1).double()
-    lean = LeanOptim(LeanResNet.from_sequential(seq), kind, lr=0.05)
+    lean = LeanOptim(LeanResNet.from_sequential(seq), kind, lr=0.05, compiled=compiled, block=3,
+                     backend="eager")
     W0 = lean.net.weights()[0]
     opt = optimizer(list(seq.parameters()), kind, lr=0.05)
     for _ in range(3):
