@@ -12,7 +12,10 @@ compiled baselines, interleaved repeats, the gradient error of inexact configura
 * :func:`net_grad_error` -- the same for a layer-parallel ``mgrit.nn`` network against its
   ``to_serial()`` twin on the same batch.
 * :func:`speedups` / :func:`verdict` -- each option's speed-up over the fastest of the strong
-  baselines (medians), and the sentence that says where layer-parallel wins and where it loses.
+  baselines (medians), and the sentence that says where layer-parallel wins and where it loses;
+  behind the load gate (issue 34 item 3, :func:`experiments.measure.load_gate`): the gate starts
+  when this module is imported (the job's own processes: 2, or :func:`start_gate`) and a
+  verdict whose run saw the 1-minute load above them + 0.5 is "no verdict".
 * :func:`timing_table` -- one row per option: median [IQR], min-max, speed-up vs the strongest
   baseline, the gradient (or forward) error.
 * :func:`cell` -- ``median [q1-q3]`` of :func:`mgrit.reporting.writers.spread`.
@@ -29,12 +32,28 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from experiments.measure import UNRELIABLE, LoadGate
 from mgrit.perf.lean import COMPILE_ERRORS
 from mgrit.reporting.writers import spread
 
 __all__ = ["interleave", "try_compile", "grad_error", "speedups", "verdict", "cell", "raw_path",
            "compile_lean_dp", "timing_table", "net_grad_error",
-           "COMPILE_ERRORS"]
+           "COMPILE_ERRORS", "start_gate", "gate"]
+
+#: the load gate of this run (started at import; :func:`start_gate` restarts it)
+_GATE = LoadGate(2)
+
+
+def start_gate(own: int) -> None:
+    """Restart the run's load gate for a job of ``own`` processes (call before timing)."""
+    global _GATE
+    _GATE = LoadGate(own)
+
+
+def gate() -> dict:
+    """The run's load gate now (:func:`experiments.measure.load_gate`, one more sample)."""
+    _GATE.sample()
+    return _GATE.result()
 
 
 def interleave(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict:
@@ -106,9 +125,19 @@ def speedups(series: Mapping[str, Sequence[float]], baselines: Sequence[str]) ->
     return best, {k: med[best] / m for k, m in med.items()}
 
 
-def verdict(what: str, rows: Sequence[tuple[str, float]], strongest: str = "the strongest baseline") -> str:
+def verdict(what: str, rows: Sequence[tuple[str, float]], strongest: str = "the strongest baseline",
+            reliable: bool | None = None) -> str:
     """One sentence from ``rows`` = ``(where, speed-up of layer-parallel vs the strongest
-    baseline)``: where layer-parallel wins (speed-up > 1) and where it loses, with the numbers."""
+    baseline)``: where layer-parallel wins (speed-up > 1) and where it loses, with the numbers.
+    ``reliable``: the load gate's answer (default: :func:`gate` of this run); False: no
+    verdict, the numbers are not a result."""
+    if reliable is None:
+        g = gate()
+        reliable, note = g["reliable"], g["note"]
+    else:
+        note = UNRELIABLE
+    if not reliable:
+        return f"{what} against {strongest}: no verdict ({note})."
     win = [f"{w} ({s:.2f}x)" for w, s in rows if s > 1.0]
     lose = [f"{w} ({s:.2f}x)" for w, s in rows if s <= 1.0]
     parts = [f"{what} against {strongest}: "]

@@ -299,7 +299,7 @@ def interleaved_lines(res) -> list:
         notes = r["notes"]
         L.append("torch.compile: " + ("; ".join(f"{k}: {v}" for k, v in notes.items())
                                       if notes else "not run (--quick / --no-compile)") + ".")
-        others = [(k, v) for k, v in sp.items() if k.startswith("GPipe")]
+        others = [(k, v) for k, v in sp.items() if k.startswith(("GPipe", "torch "))]
         sbest, ssp = bc.speedups(r["times"], ["serial", "serial compiled"])
         dp = [(k, ssp[k]) for k in ("data parallel", "data parallel compiled") if k in ssp]
         L += ["", bc.verdict(f"Model parallelism (GPipe) on {r['model']}", others, best) + " "

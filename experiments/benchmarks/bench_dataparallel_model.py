@@ -134,7 +134,8 @@ def interleaved(name, make, global_batch, comm, train, repeats, compile_) -> dic
     timed step right after an untimed one of the same option, wall clock between barriers, the
     slowest rank's): ``serial`` and ``serial compiled`` (rank 0 alone, the other rank idle),
     ``data parallel`` and ``data parallel compiled`` (GradientBuckets over each rank's half of
-    the batch), ``GPipe M=..`` (:data:`MS`). ``compile_``: also the compiled options
+    the batch), ``GPipe M=..`` (:data:`MS`), ``torch GPipe M=..`` / ``torch 1F1B M=..``
+    (``torch.distributed.pipelining`` over gloo, the same 2-stage split; M dividing the batch). ``compile_``: also the compiled options
     (``torch.compile`` of the whole model; a compile error leaves the option out on every rank
     and its first line in ``notes``). Returns ``{"model", "times": {option: [s]}, "notes"}``."""
     from experiments.benchmarks import baselines_common as bc
@@ -197,6 +198,23 @@ def interleaved(name, make, global_batch, comm, train, repeats, compile_) -> dic
             pipe.step(x if rank == 0 else None, global_batch, loss, validate=False)
             opt_p.step()
         fns[f"GPipe M={M}"] = gp
+    # what a PyTorch user picks (issue 34 item 2): torch.distributed.pipelining over gloo
+    import torch.distributed.pipelining as pp
+    from experiments.benchmarks.torch_pipeline import rendezvous
+    rendezvous(comm)
+    for sched, M in [("GPipe", M) for M in MS] + [("1F1B", M) for M in MS if M >= 2]:
+        if global_batch % M:
+            continue
+        tstage = _stages(make())[rank]
+        cls = pp.ScheduleGPipe if sched == "GPipe" else pp.Schedule1F1B
+        sch = cls(pp.PipelineStage(tstage, rank, P, torch.device("cpu")), n_microbatches=M,
+                  loss_fn=ce, scale_grads=True)
+
+        def tpp(sch=sch, opt=sgd(tstage)):
+            opt.zero_grad()
+            sch.step(x) if rank == 0 else sch.step(target=y)
+            opt.step()
+        fns[f"torch {sched} M={M}"] = tpp
 
     def timer(fn):
         def run():

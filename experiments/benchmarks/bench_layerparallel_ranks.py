@@ -5,7 +5,9 @@ Per repeat, interleaved, wall clock (max over ranks after a barrier): the traini
 MGRIT (2 levels, warm start), the 1-level exact path, the lean loop on rank 0 alone (rank 1
 waits in a barrier: T3's reference), lean data parallelism, nn.Sequential data parallelism
 (GradientBuckets), the blocking chain (nn.Sequential and lean stages), GPipe (lean stages,
-M = 2, 4, 8); the forward of MGRIT (cold), the nn.Sequential chain and the lean loop on rank 0;
+M = 2, 4, 8), and ``torch pipeline``: ``torch.distributed.pipelining`` over gloo (GPipe, 1F1B,
+ZBV with M = 2, 4, 8; the fastest median of 2 pilot steps enters the repeats, every
+candidate's time is in the JSON: issue 34 item 2); the forward of MGRIT (cold), the nn.Sequential chain and the lean loop on rank 0;
 then the model's calibration on both ranks at once. Also: the ping-pong fit and a measured
 chain of messages against it, operation counts, memory. Writes JSON to ``--out`` (rank 0).
 """
@@ -26,6 +28,7 @@ if str(ROOT) not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, str(ROOT))
 
 from experiments.benchmarks import baselines_common as bc  # noqa: E402
+from experiments.benchmarks import torch_pipeline as tp  # noqa: E402
 from experiments.benchmarks.bench_layerparallel import (  # noqa: E402
     BATCH, LR, WIDTH, calibrate_repeat, loss_fn, lp_forward_cold, lp_state_bytes, lp_train_step,
     make_lp, make_serial, mgrit_grad_error, saved_bytes)
@@ -115,6 +118,14 @@ def main():
         if first:
             fn()
 
+    def sync_time(fn):  # steady state (bench_layerparallel.steady): an untimed call first
+        fn()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        comm.Barrier()
+        return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
     comp, comp_fwd, notes = {}, {}, {}
     if a.compile:
         fn = ffn = note = fnote = None
@@ -131,6 +142,17 @@ def main():
         dfn, notes["dp_compiled"] = bc.compile_lean_dp(LeanResNet.from_sequential(full), comm, shard, 16)
         if dfn is not None:
             comp["dp_compiled"] = lambda f=dfn: f(shard, LR)
+    tpipes = {}
+    for cand in [(s_, M) for s_ in ("GPipe", "1F1B", "ZBV") for M in MS]:
+        pipe = tp.TorchPipeline(LeanResNet.from_sequential(full), comm, cand[0], cand[1], BATCH,
+                                "sgd", LR, momentum=0.0)
+        pipe.step(x)
+        tpipes[cand] = (pipe, float(np.median([sync_time(lambda p=pipe: p.step(x))
+                                               for _ in range(2)])))
+    tbest = min(tpipes, key=lambda c: tpipes[c][1])
+    comp["torch pipeline"] = lambda p=tpipes[tbest][0]: p.step(x)
+    notes["torch pipeline"] = (f"{tbest[0]} M={tbest[1]} (fastest of " + ", ".join(
+        f"{c[0]} M={c[1]}: {t * 1e3:.3g} ms" for c, (_, t) in tpipes.items()) + ")")
     gerr = {"cold": mgrit_grad_error(lp, x, cold=True, comm=comm)}
     train = {"mgrit": lambda: lp_train_step(lp, x, o_l), "exact1": lambda: lp_train_step(exact, x, o_e),
              "lean_r0": lambda: alone(lambda: lean_full.train_step(x, LR)),
@@ -143,14 +165,6 @@ def main():
         p.step(x if first else None, BATCH, mean_sq)  # validated once
     for fn in [*train.values(), *fwd.values()]:
         fn()  # warm-up
-
-    def sync_time(fn):  # steady state (bench_layerparallel.steady): an untimed call first
-        fn()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.Barrier()
-        return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     res = {k: [] for k in [*train, *fwd]}
     cals = []

@@ -175,13 +175,15 @@ def report(r1, r2, Ns, meta) -> str:
               f"{ratio(t['exact1'], t['seq']):.2f}", ""]
         rowsv["b"].append((f"N = {N}", sp["mgrit"]))
     L += [bc.verdict("MGRIT's training step, 1 process", rowsv["b"]), ""]
-    base = ["lean_r0", "compiled_r0", "dp_lean", "dp_seq", "dp_compiled"]
+    base = ["lean_r0", "compiled_r0", "dp_lean", "dp_seq", "dp_compiled", "torch pipeline"]
     L += ["", "## c. Two ranks: training step and forward", "",
           "Baselines on the same 2 ranks: the lean loop and its torch.compile on rank 0 alone "
           "(the other rank idle), data parallelism (lean replicas + one Allreduce; nn.Sequential "
           "+ GradientBuckets; the compiled lean step on each rank's shard + one Allreduce). "
-          "Also timed: the blocking chain (nn.Sequential; lean), GPipe (lean stages, M "
-          "micro-batches). Gradient error as in b.", ""]
+          "torch.distributed.pipelining over gloo (the fastest of GPipe / 1F1B / ZBV x M "
+          "on pilot steps: see the torch.compile line). Also timed: the blocking chain "
+          "(nn.Sequential; lean), GPipe (home-made, lean stages, M micro-batches). Gradient "
+          "error as in b.", ""]
     for N in Ns:
         T, r = r2[N]["times"], r2[N]
         lab = {**LABELS, "compiled_r0": "torch.compile (lean), 1 rank",

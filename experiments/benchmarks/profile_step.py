@@ -29,8 +29,9 @@ kernels at every interval count the trace holds, single steps, the adjoint's lin
 the batched parameter-gradient kernel, one optimizer op per stacked tensor, the message
 latency (ping-pong, P > 1). Printed as ``measured / bound`` (CPU time of the slowest rank).
 
-Load gate: the 1-minute load average before and after; a run whose load exceeds the job's own
-processes (P) by more than 0.5 is marked unreliable in the table and the JSON.
+Load gate (:func:`experiments.measure.load_gate`): the 1-minute load average before and after;
+a run whose load exceeds the job's own processes (P) by more than 0.5 is marked unreliable in
+the table and the JSON.
 
 Parameter modes (``--modes``, timed interleaved in the same repeats): ``layers`` (one leaf per
 layer and name; the backward's stacked gradient is handed to every layer's ``.grad`` by
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from experiments.benchmarks import profile_units as units  # noqa: E402
+from experiments.measure import load1, load_gate  # noqa: E402
 from mgrit.nn import DenseStep, LayerParallelResNet  # noqa: E402
 from mgrit.nn.chains.propagators import AdjointChain  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
@@ -216,10 +217,6 @@ def time_fn(fn):
     return time.perf_counter() - w, time.process_time() - c
 
 
-def load1() -> float:
-    return os.getloadavg()[0]
-
-
 def median(xs):
     xs = [v for v in xs if v is not None]
     return statistics.median(xs) if xs else None
@@ -287,7 +284,7 @@ def run(args, comm) -> dict:
             "modes": {k: list(parse_mode(t, args.optimizer)) for k, t in
                       zip(configs, [t for _ in args.ms for t in args.modes])},
             "compiled": cnote,
-            "load1": loads, "reliable": max(loads) <= P + 0.5, "ranks": rows, "bounds": bounds,
+            "load1": loads, "reliable": load_gate(loads, P)["reliable"], "ranks": rows, "bounds": bounds,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

@@ -200,13 +200,17 @@ def fmt_interval(r: dict, unit: str = "", digits: int = 2, signed: bool = False)
     return f"{r['mean']:{f}} [{r['lo']:{f}}, {r['hi']:{f}}]{unit}"
 
 
-def record_verdict(gap: dict, tol: float, unit: str, better: int = +1) -> str:
+def record_verdict(gap: dict, tol: float, unit: str, better: int = +1,
+                   better_declared: bool = False) -> str:
     """What the 95% interval ``gap`` of MGRIT - serial (``unit``: ``points`` or ``%``)
     supports against the tolerance ``tol`` (same unit): within +-tol (and above / below
     serial when the interval also excludes 0), above / below serial with the interval reaching
     beyond tol, above / below by more than tol (the whole interval), or not resolved (the
     interval includes 0 and reaches beyond tol). ``better``: +1 when a larger value is better
-    (accuracy), -1 when smaller is (loss): it labels a side ``(better)`` or ``(worse)``."""
+    (accuracy), -1 when smaller is (loss): it labels a side ``(better)`` or ``(worse)``.
+    ``better_declared``: whether the record declared a "better than serial" comparison before
+    its run (issue 34 item 4); if not (the default), the better side is named without a
+    "better" verdict."""
     n = gap["n"]
     d = f"{gap['mean']:+.2f} {unit}"
     tunit = "point" if unit == "points" and tol == 1 else unit  # "within 1 point"
@@ -216,8 +220,10 @@ def record_verdict(gap: dict, tol: float, unit: str, better: int = +1) -> str:
     ci = f"MGRIT - serial {d}, 95% interval [{lo:+.2f}, {hi:+.2f}] {unit} over {n} seeds"
     side = None  # where the interval excludes 0: the value direction, and better or worse
     if lo > 0 or hi < 0:
+        good = (lo > 0) == (better > 0)
         side = ("above" if lo > 0 else "below") + (
-            " (better)" if (lo > 0) == (better > 0) else " (worse)")
+            " (worse)" if not good else " (better)" if better_declared else
+            " (no 'better than serial' verdict: not declared before the run)")
     if -tol <= lo and hi <= tol:
         tail = f"; MGRIT is {side} serial (the interval excludes 0)" if side else ""
         return f"{ci}: within +-{tol:g} {tunit} of serial (the whole interval){tail}"

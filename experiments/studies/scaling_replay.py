@@ -79,6 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
     sys.path.insert(0, ROOT)
 
+from experiments.reproductions.model_check import VALID_FACTOR  # noqa: E402
 from mgrit.options import MGRITOptions  # noqa: E402
 from mgrit.perf.model import CommCost, simulate  # noqa: E402
 from mgrit.perf.steptime import resnet_times  # noqa: E402
@@ -408,6 +409,10 @@ def report(a, meta, out, raw, val, tab_traced, Ps, cals) -> int:
             for m in ("MGRIT", "MGRIT x DP"):
                 ok = not any(map(math.isnan, T[m][i]))
                 band[kind, m, P] = [b / x for b, x in zip(base, T[m][i])] if ok else []
+    # issue 34 item 4: not validated (model_check's 1.25x rule, P = 1 and 2) -> not a result
+    errs = val[1, "model_step"] + val[2, "model_step"]
+    model_ok = bool(errs) and all(1 / VALID_FACTOR <= 1 + e <= VALID_FACTOR for e in errs)
+    mark = "" if model_ok else f" -- NOT VALIDATED (outside {VALID_FACTOR}x): not a result"
     sp_rows = [[P] + [(_band(band[k, m, P], 1, "{:.2f}") if band[k, m, P] else "-")
                       for k in ("strong", "weak") for m in ("MGRIT", "MGRIT x DP")] for P in Ps]
     plot(out, raw, Ps)
@@ -440,7 +445,7 @@ def report(a, meta, out, raw, val, tab_traced, Ps, cals) -> int:
         *lines,
         "## MODELED speedup of MGRIT (P_L = P) and MGRIT x DP over the strongest other strategy "
         "at that P (serial, DP, GPipe, GPipe x DP; min-max over calibrations); < 1: MGRIT "
-        "loses. Not validated for P > 2", "", f"({vnote}.)", "",
+        "loses. Not validated for P > 2" + mark, "", f"({vnote}.)", "",
         reporting.markdown_table(["P", "strong: MGRIT", "strong: MGRIT x DP", "weak: MGRIT",
                                   "weak: MGRIT x DP"], sp_rows), "",
         f"Costs of calibration 0 at batch {big} (seconds): {json.dumps(costs)}. Messages: "
@@ -477,10 +482,12 @@ def report(a, meta, out, raw, val, tab_traced, Ps, cals) -> int:
          "ours": (f"NOT VALIDATED (modeled beyond the measured P = 2): MGRIT "
                   f"{_band(sp, 1, '{:.2f}')}x, MGRIT x DP "
                   f"{_band(sp2, 1, '{:.2f}') if sp2 else 'n/a'}x (min-max over calibrations; "
-                  f"model error at P = 1, 2: {_pct(val[1, 'model_step'] + val[2, 'model_step'])}"
-                  f"; P1 -> P2 ratio error {_pct(rerr)})"
+                  f"model error at P = 1, 2: {_pct(errs)}; P1 -> P2 ratio error {_pct(rerr)})"
+                  if sp and model_ok else
+                  f"not a result: the model is not validated (error at P = 1, 2: {_pct(errs)}; "
+                  f"rule: within {VALID_FACTOR}x; P1 -> P2 ratio error {_pct(rerr)})"
                   if sp else "n/a"),
-         "kind": "modeled"}]
+         "kind": "modeled" if model_ok else "modeled, not validated"}]
     (out / "headline.json").write_text(json.dumps({"commits": [meta["commit"]], "rows": head},
                                                   indent=1))
     summary = ["# Scaling by trace replay: summary", "",

@@ -1,5 +1,6 @@
 """Study: time to a fixed validation accuracy, in wall-clock seconds, on this machine's 2 ranks --
-serial (eager and torch.compile), data parallelism, GPipe and layer-parallel MGRIT (inexact,
+serial (eager, torch.compile, and the lean loop with the same optimizer, eager and compiled), data
+parallelism, pipelining (``torch.distributed.pipelining``) and layer-parallel MGRIT (inexact,
 the main job's solver defaults, the gradient-bias monitor on).
 
 Launch (2 ranks)::
@@ -9,8 +10,8 @@ Launch (2 ranks)::
 
 Networks (dense tanh ResNets on mnist5k, ``T = 1``, SGD lr 0.01 momentum 0.9: the main job's
 optimizer): ``mainjob`` -- ``experiments/train.py``'s defaults (32 steps of width 32, batch 50);
-``deep`` -- the planner's deep network at ``N = 1024`` (width 8, batch 64), where a 2-rank
-MGRIT step is cheaper than an eager serial step (``experiments/benchmarks/plan.py --validate``).
+``deep`` -- ``N = 1024``, width 8, batch 64: declared before any run as the network of issue 34's
+step profile (``experiments/benchmarks/profile_step.py``), not picked by an outcome.
 
 Data: mnist5k's 4,000 training images split into the first 3,500 (training) and the last 500
 (**validation**: every choice and the stopping rule); the 1,000 test images are only reported
@@ -31,18 +32,28 @@ Rule, fixed before any reported run (per network):
    the pilot's 3 epochs: room for a method that learns slower per step). The training clock is
    the wall time of the steps (max over the ranks, after a barrier), evaluation and weight
    gathering excluded; it includes everything else a user pays: torch.compile's compilation in
-   the first steps, the bias monitor's checks.
-3. **Time to target** = the clock at the first evaluation at or above the target
-   (:func:`~experiments.reports.time_to_target.first_crossing`); mean and Student-t 95% interval
-   over the seeds that reached it, with the count. Final test accuracy: the weights at the stop.
+   the first steps (each run in a fresh inductor cache, :func:`experiments.measure.
+   compile_cache`: no order effects), the bias monitor's checks. Per block of steps also the
+   process CPU time (max over the ranks) and the 1-minute load (the load gate,
+   :func:`experiments.measure.load_gate`: an unreliable run gets no verdict).
+3. **Time to target** = steps to the target x the median time per step after the first block
+   (:func:`experiments.measure.time_to_target`), beside the clock at the first evaluation at or
+   above the target (:func:`~experiments.reports.time_to_target.first_crossing`); mean and
+   Student-t 95% interval over the seeds that reached it, with the count. Final test accuracy:
+   the weights at the stop.
+4. **Verdict** declared in code before the runs (:data:`DECLARED`): MGRIT against the fastest
+   other method, speed-up interval over the seeds (paired log ratios) above 1.
 
 Methods: ``serial`` (rank 0 alone, plain PyTorch loop; the other rank sleeps); ``serial
-compiled`` (the same with the residual steps torch.compile'd in blocks of 64, one graph reused;
-both serial variants are reported, none is picked); ``data parallel`` (both ranks, half the
-batch each, :class:`~mgrit.parallel.GradientBuckets`); ``GPipe``
-(:class:`~mgrit.perf.baselines.GPipe` with :class:`~mgrit.perf.baselines.ModuleStage`, half the
-layers per rank; its micro-batch count M from {1, 2, 4} by the fastest median of 3 steps on a
-throwaway copy -- M changes no number, only the time); ``MGRIT`` (``build_model(..., comm)``
+compiled`` (the same with the residual steps torch.compile'd in blocks of 64, one graph reused);
+``lean serial`` / ``lean serial compiled`` (rank 0: the residual body as the lean loop with the
+same momentum SGD on its stacked tensors, :class:`~experiments.benchmarks.job_baselines.
+LeanJob`; every serial variant is reported, none is picked); ``data parallel`` (both ranks, half
+the batch each, :class:`~mgrit.parallel.GradientBuckets`); ``pipeline``
+(:class:`~experiments.benchmarks.job_baselines.TorchJobPipeline`: ``torch.distributed.
+pipelining`` over gloo, half the layers per rank; schedule (GPipe, 1F1B) and micro-batch count
+M (dividing the batch, from {1, 2, 4, 5, 8}) by the fastest median of 3 steps on a throwaway
+copy, every candidate reported -- they change no number, only the time); ``MGRIT`` (``build_model(..., comm)``
 with :class:`layerpar.jobconfig.JobConfig`'s defaults -- 3 levels, coarsening factor 4, F,FCF-
 relaxation, 2 forward / 1 adjoint cycles, warm start -- in :class:`~mgrit.training.Trainer` with
 :class:`~mgrit.training.bias.BiasMonitor` ``action="raise"`` and the job's ``--bias-*``
@@ -55,10 +66,10 @@ Output (``experiments/results/studies/time_to_accuracy/``): ``table.md``, ``summ
 settings, the bias monitor's checks), ``<network>_curves.png`` (validation accuracy and loss
 against the training clock, every method and seed on the same axes, the target as a line).
 
-Cost: ``--smoke`` (1,000 training images, deep N = 64, 1 seed, no compile): 34 s of work plus
-about 40 s of start-up measured at a load average of 12 on 2 cores; expect ~15 s on 2 idle
-cores. ``--full``: 662 s (11 min) measured at 48a9d82, 2 idle cores (``results/manifest.json``);
-``deep`` dominates.
+Cost: ``--smoke`` (1,000 training images, deep N = 64, 1 seed, no compile): ~1 min on 2 idle
+cores. ``--full``: 662 s at 48a9d82 before the lean and pipeline methods and the fresh compile
+cache per run; now estimated 20-25 min on 2 idle cores (2 compiled methods x 10 runs each pay
+their compilation); ``--no-compile`` leaves the compiled methods out.
 """
 from __future__ import annotations
 
@@ -66,7 +77,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # plain ``python experiments/<kind>/<script>.py``
@@ -80,19 +90,26 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from data import load_dataset  # noqa: E402
+from experiments import measure  # noqa: E402
+from experiments.benchmarks.job_baselines import LeanJob, TorchJobPipeline, pick_pipeline  # noqa: E402
 from experiments.reports.study_parts import idle_barrier  # noqa: E402
+from experiments.verdicts import Comparison, Declaration  # noqa: E402
 from experiments.reports.time_to_target import target_from_pilot, write  # noqa: E402
 from layerpar.jobconfig import JobConfig  # noqa: E402
-from mgrit.grid import Partition  # noqa: E402
 from mgrit.models import build_model  # noqa: E402
 from mgrit.parallel import GradientBuckets, ProcessGrid  # noqa: E402
-from mgrit.perf.baselines import GPipe, ModuleStage  # noqa: E402
 from mgrit.training import Trainer, fail_fast  # noqa: E402
 from mgrit.reporting import writers as reporting  # noqa: E402
 from mgrit.training.bias import BiasMonitor  # noqa: E402
 
 STUDY = "time_to_accuracy"
-METHODS = ("serial", "serial compiled", "data parallel", "GPipe", "MGRIT")
+METHODS = ("serial", "serial compiled", "lean serial", "lean serial compiled", "data parallel",
+           "pipeline", "MGRIT")
+MICRO = (1, 2, 4, 5, 8)  # pipeline micro-batch candidates (those dividing the batch)
+DECLARED = Declaration(
+    "experiments/studies/time_to_accuracy.py",
+    Comparison("time to target", "MGRIT", "the fastest other method",
+               "steps to target x median time per step", "faster", 1.0))
 PILOT_SEED, FRACTION, N_VAL, COMPILE_BLOCK = 1000, 0.95, 500, 64
 #: name -> layers, width, batch, seeds, pilot epochs, cap epochs, evaluation every k steps
 FULL = {"mainjob": dict(layers=32, width=32, batch=50, seeds=5, pilot_epochs=3, cap_epochs=6,
@@ -192,43 +209,21 @@ class DataParallel:
         return self.net
 
 
-class Pipeline:
-    """GPipe: rank 0 the opening and the first half of the steps, rank 1 the rest and the
-    classifier (as ``experiments/benchmarks/plan.py --validate``)."""
+class LeanSerial:
+    """Rank 0: the lean body with the job's optimizer (:class:`LeanJob`); rank 1 sleeps."""
 
-    def __init__(self, c, world, M):
-        self.world, self.rank, self.B = world, world.Get_rank(), c.batch_size
-        self.net = build_model("resnet", c, (784,), 10)
-        mods = list(self.net)
-        a, e = Partition.even(c.layers, 2).block(self.rank)
-        mine = mods[:1 + min(e, c.layers)] if self.rank == 0 else mods[1 + a:]
-        self.stage = nn.Sequential(*mine)
-        self.opt = sgd(self.stage.parameters(), c)
-        self.pipe = GPipe(ModuleStage(self.stage, (784,) if self.rank == 0 else (c.width,),
-                                      first=self.rank == 0), world, M)
-        self.y = None
-
-    def _loss(self, out, j, rows):
-        return F.cross_entropy(out, self.y[rows]) * (rows.stop - rows.start) / self.B
+    def __init__(self, c, world, compiled=False):
+        self.rank = world.Get_rank()
+        if self.rank == 0:
+            self.job = LeanJob(build_model("resnet", c, (784,), 10), c.lr, c.momentum,
+                               compiled=compiled, block=COMPILE_BLOCK)
 
     def step(self, x, y):
-        self.y = y
-        self.pipe.step(x if self.rank == 0 else None, self.B, self._loss, validate=False)
-        self.opt.step()
+        if self.rank == 0:
+            self.job.step(x, y)
 
     def model(self):
-        """Rank 1's stage parameters sent to rank 0 (one broadcast of a flat vector)."""
-        mine = [p for p in self.stage.parameters()]
-        n = self.world.bcast(sum(p.numel() for p in mine) if self.rank == 1 else None, root=1)
-        flat = (nn.utils.parameters_to_vector(mine).detach() if self.rank == 1
-                else torch.empty(n))
-        self.world.Bcast(flat.numpy(), root=1)
-        if self.rank == 0:
-            ids = {id(p) for p in mine}
-            theirs = [p for p in self.net.parameters() if id(p) not in ids]  # rank 1's, in order
-            nn.utils.vector_to_parameters(flat, theirs)
-            return self.net
-        return None
+        return self.job.model() if self.rank == 0 else None
 
 
 class LayerParallel:
@@ -251,16 +246,17 @@ class LayerParallel:
         return m if self.rank == 0 else None
 
 
-def make(method, c, world, M=1):
-    """A fresh run of ``method``: torch.compile's in-process caches are cleared first, so every
-    compiled run pays its compilation (inductor's on-disk cache stays, as for a user's next job)."""
+def make(method, c, world, M=("GPipe", 1)):
+    """A fresh run of ``method`` (dynamo reset; the caller gives each run a fresh cache)."""
     torch._dynamo.reset()
     if method in ("serial", "serial compiled"):
         return Serial(c, world, compiled=method == "serial compiled")
-    if method == "data parallel":
-        return DataParallel(c, world)
-    if method == "GPipe":
-        return Pipeline(c, world, M)
+    if method in ("lean serial", "lean serial compiled", "data parallel"):
+        return DataParallel(c, world) if method == "data parallel" else \
+            LeanSerial(c, world, compiled=method.endswith("compiled"))
+    if method == "pipeline":
+        return TorchJobPipeline(build_model("resnet", c, (784,), 10), c.layers, world, M[0],
+                                M[1], c.batch_size, c.lr, c.momentum)
     return LayerParallel(c, world)
 
 
@@ -295,26 +291,32 @@ def train(m, train_data, val, test, B, seed, every, cap, world, target=None):
     steps; returns the curve and the final test metrics (every rank)."""
     it = batches(len(train_data[1]), B, seed)
     loss, acc = evaluate(m.model(), val, world)
-    curve = {"steps": [0], "clock": [0.0], "val_loss": [loss], "val_acc": [acc]}
+    curve = {"steps": [0], "clock": [0.0], "val_loss": [loss], "val_acc": [acc],
+             "block_wall": [], "block_cpu": [], "load1": [measure.load1()]}
     clock, step, first = 0.0, 0, None
     while step < cap:
         world.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(min(every, cap - step)):
+        t0, c0, n = time.perf_counter(), time.process_time(), min(every, cap - step)
+        for _ in range(n):
             i = next(it)
             m.step(train_data[0][i], train_data[1][i])
             step += 1
             if first is None:
                 first = time.perf_counter() - t0
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         idle_barrier(world)  # a rank without work sleeps (serial: rank 1)
-        clock += world.allreduce(dt, op=MPI.MAX)
+        dt, dc = world.allreduce(dt, op=MPI.MAX), world.allreduce(dc, op=MPI.MAX)
+        clock += dt
+        curve["block_wall"].append(dt / n)  # per step, this block
+        curve["block_cpu"].append(dc / n)
+        curve["load1"].append(measure.load1())
         loss, acc = evaluate(m.model(), val, world)
         for k, v in zip(("steps", "clock", "val_loss", "val_acc"), (step, clock, loss, acc)):
             curve[k].append(v)
         if target is not None and acc >= target:
             break
     curve["first_step_s"] = world.allreduce(first, op=MPI.MAX)
+    curve["gate"] = measure.load_gate(world.bcast(curve["load1"], root=0), world.Get_size())
     curve["test_loss"], curve["test_acc"] = evaluate(m.model(), test, world)
     if isinstance(m, LayerParallel):
         curve["warm_start"] = bool(m.net.segments[0].warm_start)
@@ -322,24 +324,6 @@ def train(m, train_data, val, test, B, seed, every, cap, world, target=None):
                                 for e in m.monitor.events]
         m.grid.free()  # the run's sub-communicators
     return curve
-
-
-def pick_micro_batches(c, data, world, reps=3):
-    """GPipe's M in {1, 2, 4}: the fastest median step (max over the ranks) on a throwaway
-    copy, training batches; M changes no number, only the time."""
-    times = {}
-    x, y = data[0][:c.batch_size], data[1][:c.batch_size]
-    for M in (1, 2, 4):
-        p = Pipeline(c, world, M)
-        p.step(x, y)
-        ts = []
-        for _ in range(reps):
-            world.Barrier()
-            t0 = time.perf_counter()
-            p.step(x, y)
-            ts.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        times[M] = float(np.median(ts))
-    return min(times, key=times.get), times
 
 
 def run_network(name, s, a, data, world, log):
@@ -352,21 +336,24 @@ def run_network(name, s, a, data, world, log):
     target = target_from_pilot(pilot["val_acc"], FRACTION)
     log(f"[{name}] pilot (seed {PILOT_SEED}, {s['pilot_epochs']} epochs): val acc "
         f"{pilot['val_acc'][-1]:.4f} -> target {target:.4f}")
-    M, m_times = pick_micro_batches(pc, train_data, world)
-    methods = [k for k in METHODS if a.compile or k != "serial compiled"]
+    M, m_times = pick_pipeline(lambda cand: make("pipeline", pc, world, cand), MICRO,
+                               pc.batch_size, train_data, world)
+    methods = [k for k in METHODS if a.compile or not k.endswith("compiled")]
     runs = {k: [] for k in methods}
     for seed in range(s["seeds"]):
         for k in methods:  # interleaved: A B C D E, A B C D E, ...
             c = config(s, seed)
-            curve = train(make(k, c, world, M), train_data, val, test, s["batch"], seed,
-                          s["every"], cap, world, target)
+            with measure.compile_cache("fresh"):  # every run pays its own compilation
+                curve = train(make(k, c, world, M), train_data, val, test, s["batch"], seed,
+                              s["every"], cap, world, target)
             runs[k].append(curve)
             log(f"[{name}] seed {seed} {k}: {curve['steps'][-1]} steps, "
                 f"{curve['clock'][-1]:.2f} s, "
                 f"val acc {curve['val_acc'][-1]:.4f}, test acc {curve['test_acc']:.4f}")
     return {"settings": dict(s, per_epoch=per_epoch, cap_steps=cap, n_train=len(train_data[1]),
                              n_val=len(val[1]), n_test=len(test[1])),
-            "pilot": pilot, "target": target, "gpipe_M": M, "gpipe_M_times": m_times,
+            "pilot": pilot, "target": target, "pipeline": f"{M[0]} M={M[1]}",
+            "pipeline_candidates": {f"{k[0]} M={k[1]}": v for k, v in m_times.items()},
             "runs": runs}
 
 
@@ -382,6 +369,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     out_dir = reporting.results_dir(STUDY, a.out or OUT)
     meta = reporting.run_metadata(world_size=world.Get_size())
+    DECLARED.freeze(out_dir if world.Get_rank() == 0 else None)  # before any run
     data = load(a.limit)
     t0 = time.perf_counter()
     log = (lambda msg: print(msg, flush=True)) if world.Get_rank() == 0 else (lambda msg: None)
@@ -390,7 +378,7 @@ def main(argv=None) -> int:
         args = {k: v for k, v in vars(a).items() if k != "nets"}
         rule = {"fraction": FRACTION, "pilot_seed": PILOT_SEED, "n_val": N_VAL,
                 "compile_block": COMPILE_BLOCK}
-        write(results, reporting.finish_metadata(meta), out_dir, args, rule)
+        write(results, reporting.finish_metadata(meta), out_dir, args, rule, DECLARED)
         print(f"[{STUDY}] wrote {out_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..nn.steps import DenseStep, ResidualStep
 
-__all__ = ["LeanResNet", "compiled_forward", "compiled_train_step", "COMPILE_ERRORS"]
+__all__ = ["LeanResNet", "compiled_forward", "compiled_body", "compiled_train_step",
+           "COMPILE_ERRORS"]
 
 #: Exceptions that mean "torch.compile failed on this machine" (no C++ compiler, an
 #: unsupported op, an inductor bug); the benchmark reports them instead of a time.
@@ -233,31 +234,53 @@ def compiled_forward(net: LeanResNet, block: int = 16, backend: str = "inductor"
     return run
 
 
-def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "inductor",
-                        grad_hook=None):
-    """``fn(x, lr)``: compiled forward (storing) + compiled closed-form backward + SGD on
-    ``net``'s tensors, loss ``mean(out^2)`` over ``x``'s rows; as :func:`compiled_forward`.
-    ``grad_hook(net)``, when given, runs after the gradients are in ``net.grad_flat`` and
-    before SGD (eager, not compiled): e.g. data parallelism's Allreduce of ``grad_flat`` and
-    its scaling from the shard's mean to the global batch's (default None: nothing)."""
+def compiled_body(net: LeanResNet, block: int = 16, backend: str = "inductor"):
+    """``(forward, backward)`` of ``net`` compiled in blocks of ``block`` layers (as
+    :func:`compiled_forward`): ``forward(x) -> (x_N, saved)``; ``backward(grad_out, saved) ->
+    dL/dx_0``, writing the parameter gradients into ``net.gWT``/``net.gb`` (any loss: the
+    caller gives ``grad_out = dL/dx_N``). ValueError unless ``block`` divides ``N``."""
     if block < 1 or net.n_layers % block:
         raise ValueError(f"block={block} must divide N={net.n_layers}")
     fs = torch.compile(_block_forward_store, dynamic=False, backend=backend)
     bw = torch.compile(_block_backward, dynamic=False, backend=backend)
     tanh, N, h = net.act == "tanh", net.n_layers, torch.tensor(net.h, dtype=net.WT.dtype)
 
-    def run(x, lr):
+    def forward(x):
         u, saved = x, []
         for lo in range(0, N, block):
             S, D, u = fs(u, net.WT[lo:lo + block], net.b[lo:lo + block], h, tanh)
             saved.append((S, D))
-        g = u * (2.0 / u.numel())
+        return u, saved
+
+    def backward(g, saved):
         for i, lo in reversed(list(enumerate(range(0, N, block)))):
             g, gW, gb = bw(g, *saved[i], net.WT[lo:lo + block], h)
             net.gWT[lo:lo + block].copy_(gW)
             net.gb[lo:lo + block].copy_(gb)
+        return g
+    return forward, backward
+
+
+def compiled_train_step(net: LeanResNet, block: int = 16, backend: str = "inductor",
+                        grad_hook=None, update=None):
+    """``fn(x, lr)``: compiled forward (storing) + compiled closed-form backward + SGD on
+    ``net``'s tensors, loss ``mean(out^2)`` over ``x``'s rows; as :func:`compiled_forward`.
+    ``grad_hook(net)``, when given, runs after the gradients are in ``net.grad_flat`` and
+    before SGD (eager, not compiled): e.g. data parallelism's Allreduce of ``grad_flat`` and
+    its scaling from the shard's mean to the global batch's (default None: nothing).
+    ``update(net, lr)``, when given, replaces the SGD update (e.g. a ``torch.optim`` optimizer
+    over ``net.WT``/``net.b`` with ``.grad`` set to ``net.gWT``/``net.gb``; default None:
+    :meth:`LeanResNet.sgd_step`)."""
+    forward, backward = compiled_body(net, block, backend)
+
+    def run(x, lr):
+        u, saved = forward(x)
+        backward(u * (2.0 / u.numel()), saved)
         if grad_hook is not None:
             grad_hook(net)
-        net.sgd_step(lr)
+        if update is None:
+            net.sgd_step(lr)
+        else:
+            update(net, lr)
         return u
     return run

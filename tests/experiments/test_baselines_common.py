@@ -58,9 +58,12 @@ def test_speedups_against_the_strongest_baseline_and_verdict():
     assert sp["compiled"] == 1.0
     with pytest.raises(ValueError, match="none of the baselines"):
         bc.speedups(series, ["nope"])
-    s = bc.verdict("MGRIT", [("N = 64", 2.0), ("N = 256", 0.5)], "compiled")
+    s = bc.verdict("MGRIT", [("N = 64", 2.0), ("N = 256", 0.5)], "compiled", reliable=True)
     assert s == "MGRIT against compiled: wins at N = 64 (2.00x); loses at N = 256 (0.50x)."
-    assert "wins nowhere" in bc.verdict("X", [("a", 1.0)])
+    assert "wins nowhere" in bc.verdict("X", [("a", 1.0)], reliable=True)
+    # the load gate: an unreliable run gets no verdict, whatever its numbers
+    no = bc.verdict("MGRIT", [("N = 64", 2.0)], "compiled", reliable=False)
+    assert "no verdict" in no and "wins" not in no
 
 
 def test_cell_and_raw_path():

@@ -87,8 +87,10 @@ def test_choice_uses_validation_only_and_ties_keep_the_cheaper():
 ])
 def test_verdict_follows_the_interval(lo, hi, better, expect):
     gap = {"n": 5, "mean": (lo + hi) / 2, "lo": lo, "hi": hi}
-    v = seeds.record_verdict(gap, 1.0, "points", better)
+    v = seeds.record_verdict(gap, 1.0, "points", better, better_declared=True)
     assert expect in v and f"[{lo:+.2f}, {hi:+.2f}]" in v and "5 seeds" in v
+    plain = seeds.record_verdict(gap, 1.0, "points", better)  # not declared: never "(better)"
+    assert "(better)" not in plain and ("(worse)" in plain) == ("(worse)" in v)
     one = seeds.record_verdict({"n": 1, "mean": 0.3, "lo": math.nan, "hi": math.nan}, 1.0, "points")
     assert "one seed: no interval, no verdict" in one
 
