@@ -41,7 +41,7 @@ BATCH.add(2, "save_for_repartition", f"{C}:check_save_for_repartition", ckpt_dir
 for action in ("warn", "add_iterations", "serial"):
     BATCH.add(2, f"guard-{action}", f"{C}:check_guard", action=action, log_dir=TMP)
 BATCH.add(2, "nonfinite_state", f"{C}:check_nonfinite_state_named")
-RESUME = MPIBatch(timeout=300)  # separate jobs: they need the P=2 checkpoint first
+RESUME = MPIBatch(timeout=300, shared=False)  # own jobs: they need the P=2 checkpoint first
 for k in (1, 3):
     RESUME.add(k, "resume_repartitioned", f"{C}:check_resume_repartitioned", ckpt_dir=TMP, saved_p=2)
 
