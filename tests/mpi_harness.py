@@ -80,6 +80,7 @@ def _launch(nprocs: int, calls: list[dict], timeout: float):
 
 
 RELAUNCHES = 3  # per job: new jobs for the checks after a failed one
+START_UP = 120.0  # s: a batch's job may take this beyond its timeout (its checks' watchdog may not)
 
 _BATCHES: list["MPIBatch"] = []
 _SELECTED: set[str] | None = None  # modules with a selected slow test; None: outside pytest
@@ -143,8 +144,9 @@ class MPIBatch:
     for a rank count, one job with all checks of that count and returns one check's verdict.
 
     ``shared=False`` keeps the batch in jobs of its own (checks that must run after something
-    the test does first, or the harness's own smoke test); ``timeout`` is per batch (a shared
-    job gets the sum of its batches')."""
+    the test does first, or the harness's own smoke test). ``timeout`` bounds the batch's job
+    and each of its checks (a rank whose check runs longer ends the job with tracebacks); a
+    shared job gets the sum of its batches' timeouts plus ``START_UP``."""
 
     def __init__(self, timeout: float = 600.0, shared: bool = True):
         self.timeout = timeout
@@ -173,9 +175,9 @@ class MPIBatch:
     def run(self, nprocs: int, name: str) -> list:
         if nprocs not in self._done:
             batches = self._joining(nprocs)
-            calls = [dict(c, name=f"{i}:{c['name']}", group=b.module)
+            calls = [dict(c, name=f"{i}:{c['name']}", group=b.module, timeout=b.timeout)
                      for i, b in enumerate(batches) for c in b._calls[nprocs]]
-            done = _launch_all(nprocs, calls, sum(b.timeout for b in batches))
+            done = _launch_all(nprocs, calls, START_UP + sum(b.timeout for b in batches))
             for i, b in enumerate(batches):
                 b._done[nprocs] = {c["name"]: done[f"{i}:{c['name']}"] for c in b._calls[nprocs]}
         target = next(c["target"] for c in self._calls[nprocs] if c["name"] == name)

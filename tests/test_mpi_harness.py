@@ -47,3 +47,20 @@ def test_shared_batches_one_job_fresh_torch_defaults_and_a_new_job_after_a_failu
         b.run(2, "fails")
     assert b.run(2, "sum") == ["3", "3"]
     assert launches == [["0:sum", "0:change", "1:defaults", "1:fails", "1:sum"], ["1:sum"]]
+
+
+@pytest.mark.slow
+def test_a_hung_check_ends_its_job_at_the_batch_timeout(monkeypatch):
+    """The per-check watchdog (faulthandler) ends a rank whose check outlives the batch's
+    timeout, tracebacks in the log, before the job's own (summed) timeout."""
+    from tests import mpi_harness
+    monkeypatch.setattr(mpi_harness, "_BATCHES", [])
+    monkeypatch.setattr(mpi_harness, "_SELECTED", {__name__})
+    b = MPIBatch(timeout=3)
+    b.add(1, "hangs", "tests.mpi_cases.core.smoke_cases:check_hangs")
+    b.add(1, "sum", "tests.mpi_cases.core.smoke_cases:check_sum", expected=1)
+    with pytest.raises(pytest.fail.Exception) as info:
+        b.run(1, "hangs")
+    assert "rank 0: no report" in str(info.value) and "Timeout (0:00:03)!" in str(info.value)
+    assert "TIMED OUT" not in str(info.value)  # the watchdog, not the harness's timeout
+    assert b.run(1, "sum") == ["1"]  # the check after it ran in a new job
