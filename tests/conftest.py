@@ -12,3 +12,12 @@ def _restore_default_dtype():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+def pytest_collection_finish(session):
+    """The MPI harness joins the shared batches of these files into one job per rank count."""
+    from tests import mpi_harness
+
+    mpi_harness.select_modules({item.module.__name__ for item in session.items
+                                if getattr(item, "module", None) is not None
+                                and item.get_closest_marker("slow") is not None})

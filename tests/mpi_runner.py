@@ -1,10 +1,13 @@
 """Rank-side entry point of :mod:`tests.mpi_harness` (not collected by pytest).
 
 Usage: ``mpiexec -n K python -m mpi4py tests/mpi_runner.py CALLS.json``, where the file holds a
-list of ``{"name", "target": "package.module:function", "kwargs"}``. Each rank runs the calls
-in order and rewrites its report (``rank-R.json`` in ``$LAYERPAR_MPI_REPORT_DIR``) after each
+list of ``{"name", "target": "package.module:function", "kwargs"}`` (and ``"group"``: the test
+file that registered it; where it changes, torch's default dtype and grad mode are set back to
+what the job started with, as in a job of that file's own; and ``"timeout"``: seconds after
+which a check still running ends its rank with every thread's traceback). Each rank runs the calls in order and rewrites its report (``rank-R.json`` in ``$LAYERPAR_MPI_REPORT_DIR``) after each
 one, so a failure keeps the verdicts of the calls before it.
 """
+import faulthandler
 import importlib
 import json
 import os
@@ -34,8 +37,16 @@ def main() -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, report)
 
+    group = None
     for call in calls:
+        if call.get("group") != group and "torch" in sys.modules:
+            torch = sys.modules["torch"]  # a check imported it: torch's start-up defaults again
+            torch.set_default_dtype(torch.float32)
+            torch.set_grad_enabled(True)
+        group = call.get("group")
         module, func = call["target"].split(":")
+        if call.get("timeout"):  # a hung check ends its rank (and so the job) with tracebacks
+            faulthandler.dump_traceback_later(call["timeout"], exit=True)
         try:
             result = getattr(importlib.import_module(module), func)(**call["kwargs"])
         except BaseException:
@@ -45,6 +56,7 @@ def main() -> None:
         done[call["name"]] = {"status": "ok", "result": None if result is None else repr(result)}
         write()
         MPI.COMM_WORLD.Barrier()  # keep the checks apart: no message of one leaks into the next
+        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -11,20 +11,20 @@ checkpoint taken inside an epoch (and a stage) bit for bit; BatchNorm with repli
 Trainer (serial and layer-parallel networks, unequal and empty shards) equals one replica
 (float64, 1e-12).
 
-Checks sharing a rank count run in one launch (interpreter start-up dominates)."""
+Checks sharing a rank count run in one launch (interpreter start-up dominates), shared with the
+other files' checks of that rank count (tests/mpi_harness.py)."""
 
 import pytest
 
-from tests.mpi_harness import run_mpi
+from tests.mpi_harness import MPIBatch, run_mpi
 
 pytestmark = pytest.mark.slow  # MPI launches / whole jobs: `-m "not slow"` skips them
 
 CASES = "tests.mpi_cases.training.layerwise_cases"
 EQ = "check_pipeline_equals_serial"
+BATCH = MPIBatch(timeout=300)
 
-
-def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
-    checks = [
+BATCH.add(2, "two_ranks", f"{CASES}:check_many", checks=[
         [EQ, dict(net="mlp", num_stages=2)],
         [EQ, dict(net="mlp", num_stages=4, stages_per_rank=2, head="mlp")],
         ["check_bad_config_identical", dict(kind="ranks")],
@@ -62,8 +62,30 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
         ["check_bad_config_identical", dict(kind="loss")],
         ["check_bad_config_identical", dict(kind="targets")],
         ["check_bad_config_identical", dict(kind="targets_pipeline")],
-    ]
-    res = eval(run_mpi(f"{CASES}:check_many", 2, checks=checks)[0])
+    ])
+BATCH.add(3, "three_ranks", f"{CASES}:check_many", checks=[
+    [EQ, dict(net="resnet", num_stages=3, head="pool", optimizer="adam")],
+    # 3 replicas, global batch 4 < ... and last batch 41 % 4 = 1: empty shards every batch
+    [EQ, dict(net="mlp", num_stages=1, replicas=3, batch_size=4, n=41)],
+    # BatchNorm2d, last batch 26 % 8 = 2 < 3 replicas: replica 2's shard is empty (with
+    # BatchNorm1d a 2-sample batch is too ill-conditioned for 1e-12 after 8 epochs)
+    ["check_sequential_data_parallel", dict(replicas=3, net="resnet_bn", n=26)],
+    # Trainer + BatchNorm, 3 replicas, last batch 37 % 7 = 2: replica 2's shard is empty
+    ["check_trainer_batchnorm_replicas", dict(kind="serial", n=37)],
+    ["check_trainer_batchnorm_replicas", dict(kind="mgrit", n=37)]])
+BATCH.add(4, "four_ranks", f"{CASES}:check_many", checks=[
+    # 49 = 6 x 8 + 1: replica 1's stage-0 rank sends empty activations down its pipeline
+    [EQ, dict(net="mlp", num_stages=2, replicas=2, n=49)],
+    [EQ, dict(net="resnet", num_stages=2, replicas=2, head="conv", batch_size=12)],
+    [EQ, dict(net="mlp_bn", num_stages=2, replicas=2, batch_size=7)],
+    # regression (loss="mse") pipelined with replicas, unequal shards (49 = 7 x 7)
+    [EQ, dict(net="mlp", num_stages=2, replicas=2, batch_size=7, n=49, loss="mse")],
+    # Trainer + BatchNorm in the opening and closing of a LayerParallelNet, P_L 2 x P_D 2
+    ["check_trainer_batchnorm_replicas", dict(kind="mgrit", layer_parallel=2)]])
+
+
+def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
+    res = eval(BATCH.run(2, "two_ranks")[0])
     assert res[0] <= 1e-12 and res[1] <= 1e-12
     assert "ranks do not match" in res[2] and "world size = 3 x 1" in res[2]
     assert "more stages than layers" in res[3]
@@ -85,29 +107,12 @@ def test_two_ranks_pipeline_configs_async_and_sequential_replicas():
 
 
 def test_three_ranks_resnet_pipeline_and_three_replicas_equal_single_process():
-    res = run_mpi(f"{CASES}:check_many", 3, checks=[
-        [EQ, dict(net="resnet", num_stages=3, head="pool", optimizer="adam")],
-        # 3 replicas, global batch 4 < ... and last batch 41 % 4 = 1: empty shards every batch
-        [EQ, dict(net="mlp", num_stages=1, replicas=3, batch_size=4, n=41)],
-        # BatchNorm2d, last batch 26 % 8 = 2 < 3 replicas: replica 2's shard is empty (with
-        # BatchNorm1d a 2-sample batch is too ill-conditioned for 1e-12 after 8 epochs)
-        ["check_sequential_data_parallel", dict(replicas=3, net="resnet_bn", n=26)],
-        # Trainer + BatchNorm, 3 replicas, last batch 37 % 7 = 2: replica 2's shard is empty
-        ["check_trainer_batchnorm_replicas", dict(kind="serial", n=37)],
-        ["check_trainer_batchnorm_replicas", dict(kind="mgrit", n=37)]])
+    res = BATCH.run(3, "three_ranks")
     assert all(max(eval(r)) <= 1e-12 for r in res)
 
 
 def test_two_stages_times_two_replicas_equals_single_process():
-    res = run_mpi(f"{CASES}:check_many", 4, checks=[
-        # 49 = 6 x 8 + 1: replica 1's stage-0 rank sends empty activations down its pipeline
-        [EQ, dict(net="mlp", num_stages=2, replicas=2, n=49)],
-        [EQ, dict(net="resnet", num_stages=2, replicas=2, head="conv", batch_size=12)],
-        [EQ, dict(net="mlp_bn", num_stages=2, replicas=2, batch_size=7)],
-        # regression (loss="mse") pipelined with replicas, unequal shards (49 = 7 x 7)
-        [EQ, dict(net="mlp", num_stages=2, replicas=2, batch_size=7, n=49, loss="mse")],
-        # Trainer + BatchNorm in the opening and closing of a LayerParallelNet, P_L 2 x P_D 2
-        ["check_trainer_batchnorm_replicas", dict(kind="mgrit", layer_parallel=2)]])
+    res = BATCH.run(4, "four_ranks")
     assert all(max(eval(r)) <= 1e-12 for r in res)
 
 

@@ -14,3 +14,19 @@ def check_rank1_fails():
     if comm.Get_rank() == 1:
         raise AssertionError("deliberate failure on rank 1")
     comm.recv(source=1)  # would hang forever without abort-on-error
+
+
+def check_leave_torch_changed():
+    import torch
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+
+
+def check_torch_defaults():
+    import torch
+    return str(torch.get_default_dtype()), torch.is_grad_enabled()
+
+
+def check_hangs():
+    import time
+    time.sleep(600)
