@@ -140,7 +140,7 @@ def test_mainjob_record_is_generated_from_the_runs(quick):
     head = json.loads((d / "headline.json").read_text())
     assert head["commits"] == sorted({r["git_commit"] for r in ser + mg})
     acc, timing = head["rows"]
-    assert acc["kind"] == "measured" and timing["kind"] in ("timing", "unreliable timing")  # the load gate decides
+    assert acc["kind"] == "measured" and timing["kind"] in ("timing", "unreliable timing")
     assert "2 seeds" in acc["ours"] and "95% interval" in acc["ours"]
     assert "[mnist_mgrit_vs_serial](results/records/mnist_mgrit_vs_serial/summary.md)" in \
         rg.readme_block(quick[0])
